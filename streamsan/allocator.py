@@ -1,0 +1,84 @@
+"""The allocator model: blocks, their owner stream, record_stream users and frees still pending.
+
+A :class:`Block` is one life of an allocation. The caching allocator hands a freed block to the next
+allocations on its owner stream at once, except that it waits for the work of streams named by
+``record_stream``. So a freed block whose life saw an access by another, unrecorded stream leaves a
+*pending* access: :class:`AllocatorModel` keeps those per owner stream until the owner's next allocation,
+where the analyzer decides whether they are still unordered (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+from .events import HOST, PINNED
+
+
+class Block:
+    """One life of an allocation: [start, start + size) in a space, owned by an agent (a stream, or the host
+    for pinned memory)."""
+
+    __slots__ = ("space", "start", "size", "owner", "serial", "recorded", "foreign", "freed", "stack", "ctx",
+                 "what", "label", "seq")
+
+    def __init__(self, space, start, size, owner, serial, stack=0, ctx=0, what="", seq=-1):
+        self.space = space
+        self.start = start
+        self.size = size
+        self.owner = owner
+        self.serial = serial
+        self.recorded: set[int] = set()
+        self.foreign: dict[int, object] = {}  # stream agent -> its last Access to this block
+        self.freed = False
+        self.stack = stack
+        self.ctx = ctx
+        self.what = what
+        self.label = ""
+        self.seq = seq
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else "live"
+        return f"Block({self.space}, [{self.start:#x}, +{self.size}), owner={self.owner}, {state})"
+
+
+class AllocatorModel:
+    """Live blocks by (space, start) and, per owner stream, the freed blocks with pending foreign accesses."""
+
+    def __init__(self):
+        self.live: dict[int, dict[int, Block]] = {}
+        self.pending: dict[int, list[tuple[Block, list]]] = {}
+        self._serial = 0
+
+    def new_block(self, space, start, size, owner, stack, ctx, what, seq) -> Block:
+        self._serial += 1
+        b = Block(space, start, size, owner, self._serial, stack, ctx, what, seq)
+        self.live.setdefault(space, {})[start] = b
+        return b
+
+    def live_block(self, space: int, start: int) -> Block | None:
+        d = self.live.get(space)
+        return d.get(start) if d else None
+
+    def release(self, block: Block, unordered) -> None:
+        """Mark block freed; ``unordered(access)`` says whether a foreign access may still be in flight
+        for the owner. Those become pending until the owner's next allocation."""
+        block.freed = True
+        d = self.live.get(block.space)
+        if d is not None and d.get(block.start) is block:
+            del d[block.start]
+        if block.space == PINNED or not block.foreign:
+            block.foreign = {}
+            return
+        recorded = block.recorded
+        pend = [a for g, a in block.foreign.items() if g not in recorded and unordered(a)]
+        block.foreign = {}
+        if pend:
+            self.pending.setdefault(block.owner, []).append((block, pend))
+
+    def take_pending(self, owner: int) -> list[tuple[Block, list]]:
+        return self.pending.pop(owner, []) if owner != HOST else []
+
+    def live_count(self) -> int:
+        return sum(len(d) for d in self.live.values())

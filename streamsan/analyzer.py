@@ -1,0 +1,583 @@
+"""The analyzer: applies events to vector clocks, shadow memory and the allocator model, and emits findings.
+
+The race rule lives here (:meth:`Analyzer._write`, :meth:`Analyzer._read`, :meth:`Analyzer._alloc`); the
+contract it implements is ``docs/semantics.md``. Imports nothing of torch or cupy.
+
+Clocks (FastTrack-style): every agent has a vector clock ``vc[agent]`` (a list indexed by agent id). A stream's
+own component ticks only when its clock is published (event record, a host sync on it, an implicit
+legacy-default-stream edge), so consecutive ops on a stream share an epoch. The host publishes its clock on
+every enqueue; it ticks lazily, before its next own access, and every stream remembers the host clock
+generation it last joined, so an op costs no clock join unless the host learned something new.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from . import events as E
+from .allocator import AllocatorModel, Block
+from .findings import (ALLOC_REUSE, DEVICE_DEVICE, HOST_DEVICE, MISSING_RECORD_STREAM, Finding, fingerprint,
+                       location)
+from .layout import touch_common_bytes
+from .shadow import Access, ShadowSpace
+
+HOST = E.HOST
+PINNED = E.PINNED
+MAX_STRIDED_STATE = 16
+
+
+class Occurrence(NamedTuple):
+    """One detected hazard instance (kept with ``keep_occurrences=True``, for tests and the oracle)."""
+
+    kind: str
+    space: int
+    lo: int
+    hi: int
+    prev_seq: int
+    cur_seq: int
+    folded: bool
+
+
+class AgentInfo:
+    """A host or stream agent as declared by the tracer."""
+
+    __slots__ = ("agent", "device", "handle", "flags", "name")
+
+    def __init__(self, agent, device, handle, flags, name):
+        self.agent = agent
+        self.device = device
+        self.handle = handle
+        self.flags = flags
+        self.name = name
+
+    @property
+    def is_host(self) -> bool:
+        return self.agent == HOST
+
+    def __repr__(self) -> str:
+        return f"AgentInfo({self.agent}, dev={self.device}, handle={self.handle:#x}, {self.name!r})"
+
+
+def _join(dst: list, src: list) -> None:
+    if len(src) == len(dst):
+        dst[:] = map(max, dst, src)
+    else:
+        for i, v in enumerate(src):
+            if v > dst[i]:
+                dst[i] = v
+
+
+def _conflict(prev: Access, prev_write: bool, cur_range, lo: int, hi: int) -> bool:
+    """Whether prev (an access of the given type) and cur_range touch a common byte (strided views)."""
+    for pr in prev.ranges_on(lo, hi, prev_write):
+        if touch_common_bytes(pr, cur_range):
+            return True
+    return False
+
+
+class Analyzer:
+    """Consumes events (:meth:`feed`) and collects deduplicated :attr:`findings`."""
+
+    def __init__(self, keep_occurrences: bool = False, retire_every: int = 1 << 16):
+        self.vc: list[list[int]] = [[1]]
+        self.agents: dict[int, AgentInfo] = {HOST: AgentInfo(HOST, -1, 0, 0, "host")}
+        self.events: dict[int, list[int]] = {}
+        self.host_gen = 1
+        self.joined_gen: list[int] = [0]
+        self.host_published = False
+        self.implicit: list[list[int]] = [[]]
+        self.shadow: dict[int, ShadowSpace] = {}
+        self.allocator = AllocatorModel()
+        self.stacks: dict[int, tuple] = {0: ()}
+        self.contexts: dict[int, str] = {0: ""}
+        self._loc_cache: dict[int, str] = {}
+        self.findings: dict[str, Finding] = {}
+        self.keep_occurrences = keep_occurrences
+        self.occurrences: list[Occurrence] = []
+        self.notes: list[tuple[str, str]] = []
+        self.seq = 0
+        self.counts = {"ops": 0, "host_accesses": 0, "syncs": 0, "allocs": 0, "frees": 0}
+        self._retire_every = retire_every
+        self._next_retire = retire_every
+        self._handlers = {
+            E.DEF_STACK: self._def_stack,
+            E.DEF_CONTEXT: self._def_context,
+            E.STREAM: self._stream,
+            E.EVENT_RECORD: self._event_record,
+            E.EVENT_WAIT: self._event_wait,
+            E.STREAM_SYNC: self._stream_sync,
+            E.EVENT_SYNC: self._event_sync,
+            E.DEVICE_SYNC: self._device_sync,
+            E.OP: self._op,
+            E.ALLOC: self._alloc,
+            E.FREE: self._free,
+            E.RECORD_STREAM: self._record_stream,
+            E.LABEL: self._label,
+            E.EVENT_DELETE: self._event_delete,
+            E.NOTE: self._note,
+        }
+
+    # ------------------------------------------------------------------ feeding
+    def feed(self, events) -> None:
+        """Apply events in order."""
+        handlers = self._handlers
+        op = self._op
+        OP = E.OP
+        seq = self.seq
+        try:
+            for ev in events:
+                self.seq = seq
+                if ev[0] == OP:
+                    op(ev)
+                else:
+                    handlers[ev[0]](ev)
+                seq += 1
+        finally:
+            self.seq = seq
+
+    def finish(self) -> None:
+        """Called once after the last event; nothing is pending at the end of a trace (an owner that never
+        allocates again cannot reuse its freed blocks)."""
+
+    # ------------------------------------------------------------------ agents and clocks
+    def _declare(self, agent: int, device: int, handle: int, flags: int, name: str) -> None:
+        info = self.agents.get(agent)
+        if info is not None:
+            info.device, info.handle, info.flags = device, handle, flags
+            if name:
+                info.name = name
+            self._rebuild_implicit()
+            return
+        self.agents[agent] = AgentInfo(agent, device, handle, flags, name)
+        n = len(self.vc)
+        if agent >= n:
+            grow = agent + 1 - n
+            for v in self.vc:
+                v.extend([0] * grow)
+            m = agent + 1
+            self.vc.extend([0] * m for _ in range(grow))
+            self.joined_gen.extend([0] * grow)
+            self.implicit.extend([] for _ in range(grow))
+        self.vc[agent][agent] = 1
+        self._rebuild_implicit()
+
+    def _rebuild_implicit(self) -> None:
+        """Implicit edges between a device's legacy default stream and its blocking streams."""
+        legacy: dict[int, int] = {}
+        blocking: dict[int, list[int]] = {}
+        for a, info in self.agents.items():
+            if a == HOST:
+                continue
+            if info.flags & E.LEGACY_DEFAULT:
+                legacy[info.device] = a
+            elif info.flags & E.BLOCKING:
+                blocking.setdefault(info.device, []).append(a)
+        imp = [[] for _ in self.implicit]
+        for dev, lg in legacy.items():
+            bs = blocking.get(dev, [])
+            imp[lg] = list(bs)
+            for b in bs:
+                imp[b] = [lg]
+        self.implicit = imp
+
+    def _ensure_agent(self, agent: int) -> None:
+        if agent not in self.agents:
+            self._note((E.NOTE, "warning", f"stream agent {agent} used before it was declared"))
+            self._declare(agent, -1, 0, 0, "")
+
+    def _enqueue(self, a: int) -> list:
+        """Work is enqueued on stream a: it joins the host's clock (and implicit legacy-stream edges)."""
+        vc = self.vc
+        if self.joined_gen[a] != self.host_gen:
+            _join(vc[a], vc[HOST])
+            self.joined_gen[a] = self.host_gen
+            self.host_published = True
+        imp = self.implicit[a]
+        if imp:
+            t = vc[a]
+            for b in imp:
+                _join(t, vc[b])
+                vc[b][b] += 1
+        return vc[a]
+
+    def _host_learns(self, clock: list) -> None:
+        _join(self.vc[HOST], clock)
+        self.host_gen += 1
+        self.counts["syncs"] += 1
+        if self.seq >= self._next_retire:
+            self.retire()
+
+    # ------------------------------------------------------------------ definitions
+    def _def_stack(self, ev) -> None:
+        self.stacks[ev[1]] = tuple(tuple(f) for f in ev[2])
+        self._loc_cache.pop(ev[1], None)
+
+    def _def_context(self, ev) -> None:
+        self.contexts[ev[1]] = ev[2]
+
+    def _stream(self, ev) -> None:
+        _, agent, device, handle, flags, name = ev
+        if agent == HOST:
+            return
+        self._declare(agent, device, handle, flags, name)
+
+    def _note(self, ev) -> None:
+        item = (ev[1], ev[2])
+        if item not in self.notes:
+            self.notes.append(item)
+
+    # ------------------------------------------------------------------ synchronization
+    def _event_record(self, ev) -> None:
+        _, event, a, _stack = ev
+        self._ensure_agent(a)
+        t = self._enqueue(a)
+        self.events[event] = t[:]
+        t[a] += 1
+
+    def _event_wait(self, ev) -> None:
+        _, event, a, _stack = ev
+        self._ensure_agent(a)
+        t = self._enqueue(a)
+        snap = self.events.get(event)
+        if snap is not None:
+            _join(t, snap)
+
+    def _event_delete(self, ev) -> None:
+        self.events.pop(ev[1], None)
+
+    def _stream_sync(self, ev) -> None:
+        a = ev[1]
+        self._ensure_agent(a)
+        t = self.vc[a]
+        self._host_learns(t)
+        t[a] += 1
+
+    def _event_sync(self, ev) -> None:
+        snap = self.events.get(ev[1])
+        if snap is not None:
+            self._host_learns(snap)
+
+    def _device_sync(self, ev) -> None:
+        dev = ev[1]
+        vc = self.vc
+        h = vc[HOST]
+        for a, info in self.agents.items():
+            if a != HOST and info.device == dev:
+                _join(h, vc[a])
+                vc[a][a] += 1
+        self._host_learns(h)
+
+    # ------------------------------------------------------------------ operations
+    def _op(self, ev) -> None:
+        _, a, name, reads, writes, stack, ctx, flags = ev
+        vc = self.vc
+        if a == HOST:
+            if self.host_published:
+                vc[HOST][HOST] += 1
+                self.host_gen += 1
+                self.host_published = False
+            t = vc[HOST]
+            self.counts["host_accesses"] += 1
+        else:
+            if a >= len(vc) or a not in self.agents:
+                self._ensure_agent(a)
+            t = self._enqueue(a)
+            self.counts["ops"] += 1
+        if reads or writes:
+            strided = any(len(r) > 3 for r in reads) or any(len(r) > 3 for r in writes)
+            acc = Access(a, t[a], self.seq, name, stack, ctx, reads, writes, strided)
+            for r in writes:
+                if r[2] > 0:
+                    self._write(r, acc, t)
+            for r in reads:
+                if r[2] > 0 and r not in writes:
+                    self._read(r, acc, t)
+        if flags & E.OP_BLOCKING and a != HOST:
+            self._host_learns(t)
+            t[a] += 1
+
+    def _space(self, space: int) -> ShadowSpace:
+        sh = self.shadow.get(space)
+        if sh is None:
+            sh = self.shadow[space] = ShadowSpace()
+        return sh
+
+    def _write(self, r, acc: Access, t: list) -> None:
+        """A write races with the last write and every read since that are not ordered before it."""
+        a = acc.agent
+        sh = self.shadow.get(r[0]) or self._space(r[0])
+        lo = r[1]
+        segs = sh.cover(lo, lo + r[2])
+        strided = len(r) > 3
+        for seg in segs:
+            blk = seg.block
+            if blk is not None and a != blk.owner and a != HOST:
+                blk.foreign[a] = acc
+            raced = False
+            w = seg.write
+            if w is not None:
+                if type(w) is list:
+                    for x in w:
+                        if x.agent != a and x.clock > t[x.agent] and (
+                                not (strided or x.strided) or _conflict(x, True, r, seg.start, seg.end)):
+                            self._race(x, True, acc, True, seg, r[0])
+                            raced = True
+                            break
+                elif w.agent != a and w.clock > t[w.agent] and (
+                        not (strided or w.strided) or _conflict(w, True, r, seg.start, seg.end)):
+                    self._race(w, True, acc, True, seg, r[0])
+                    raced = True
+            rd = seg.reads
+            if rd is not None and not raced:
+                if type(rd) is dict:
+                    for x in rd.values():
+                        if x.agent != a and x.clock > t[x.agent] and (
+                                not (strided or x.strided) or _conflict(x, False, r, seg.start, seg.end)):
+                            self._race(x, False, acc, True, seg, r[0])
+                            break
+                elif rd.agent != a and rd.clock > t[rd.agent] and (
+                        not (strided or rd.strided) or _conflict(rd, False, r, seg.start, seg.end)):
+                    self._race(rd, False, acc, True, seg, r[0])
+            if strided:
+                # A strided write overwrites only its elements: keep what it may not have overwritten.
+                if w is None:
+                    seg.write = acc
+                else:
+                    kept = [x for x in (w if type(w) is list else (w,))
+                            if x.ranges_on(seg.start, seg.end, True) != acc.ranges_on(seg.start, seg.end, True)]
+                    kept.append(acc)
+                    seg.write = kept[-MAX_STRIDED_STATE:] if len(kept) > 1 else acc
+            else:
+                seg.write = acc
+                seg.reads = None
+        if len(segs) > 1 and not strided:
+            b0 = segs[0].block
+            if all(s.block is b0 for s in segs):
+                sh.merge(segs)
+
+    def _read(self, r, acc: Access, t: list) -> None:
+        """A read races with the last write if that write is not ordered before it."""
+        a = acc.agent
+        sh = self.shadow.get(r[0]) or self._space(r[0])
+        lo = r[1]
+        strided = len(r) > 3
+        for seg in sh.cover(lo, lo + r[2]):
+            blk = seg.block
+            if blk is not None and a != blk.owner and a != HOST:
+                blk.foreign[a] = acc
+            w = seg.write
+            if w is not None:
+                if type(w) is list:
+                    for x in w:
+                        if x.agent != a and x.clock > t[x.agent] and (
+                                not (strided or x.strided) or _conflict(x, True, r, seg.start, seg.end)):
+                            self._race(x, True, acc, False, seg, r[0])
+                            break
+                elif w.agent != a and w.clock > t[w.agent] and (
+                        not (strided or w.strided) or _conflict(w, True, r, seg.start, seg.end)):
+                    self._race(w, True, acc, False, seg, r[0])
+            rd = seg.reads
+            if not strided:
+                if rd is None:
+                    seg.reads = acc
+                elif type(rd) is dict:
+                    rd[a] = acc
+                elif rd.agent == a or rd.clock <= t[rd.agent]:
+                    seg.reads = acc
+                else:
+                    seg.reads = {rd.agent: rd, a: acc}
+            else:
+                key = (a, r)
+                if rd is None:
+                    seg.reads = {key: acc}
+                elif type(rd) is dict:
+                    rd[key] = acc
+                    if len(rd) > MAX_STRIDED_STATE:
+                        for k in [k for k, x in rd.items() if x.clock <= t[x.agent]][:len(rd) // 2]:
+                            del rd[k]
+                else:
+                    seg.reads = {rd.agent: rd, key: acc}
+
+    # ------------------------------------------------------------------ findings
+    def _loc(self, access: Access) -> str:
+        loc = self._loc_cache.get(access.stack)
+        if loc is None:
+            loc = location(self.stacks.get(access.stack, ()), "")
+            self._loc_cache[access.stack] = loc
+        return loc or f"op:{access.name}"
+
+    def _race(self, prev: Access, prev_write: bool, cur: Access, cur_write: bool, seg, space: int) -> None:
+        folded = prev.mrs is not None and prev.old
+        if prev.old:
+            kind = ALLOC_REUSE
+        elif prev.agent == HOST or cur.agent == HOST:
+            kind = HOST_DEVICE
+        else:
+            kind = DEVICE_DEVICE
+        if self.keep_occurrences:
+            self.occurrences.append(Occurrence(kind, space, seg.start, seg.end, prev.seq, cur.seq, folded))
+        if folded:
+            prev.mrs.reused = True
+            return
+        lp, lc = self._loc(prev), self._loc(cur)
+        fp = fingerprint(kind, lp, lc)
+        f = self.findings.get(fp)
+        if f is not None:
+            f.count += 1
+            return
+        self.findings[fp] = Finding(kind, fp, prev, cur, prev_write, cur_write, space, seg.start, seg.end,
+                                    seg.block, prev.block if prev.old else None, lp, lc)
+
+    # ------------------------------------------------------------------ allocator
+    def _alloc(self, ev) -> None:
+        _, space, start, size, owner, stack, ctx, what = ev
+        self.counts["allocs"] += 1
+        if owner != HOST:
+            self._ensure_agent(owner)
+        vc = self.vc
+        h = vc[HOST]
+        end = start + size
+        blk = self.allocator.new_block(space, start, size, owner, stack, ctx, what, self.seq)
+        cur = Access(owner, vc[owner][owner], self.seq, "allocation", stack, ctx, (), ())
+        cur.block = blk
+        pend = self.allocator.take_pending(owner)
+        if pend:
+            own = vc[owner]
+            for old, xs in pend:
+                reused = old.space == space and old.start < end and start < old.end
+                for x in xs:
+                    if x.clock <= own[x.agent] or x.clock <= h[x.agent]:
+                        continue
+                    f = self._missing_record_stream(x, old, cur, blk if reused else None)
+                    x.mrs = f
+                    if reused:
+                        f.reused = True
+        if size <= 0:
+            return
+        sh = self._space(space)
+        if not sh.overlapping(start, end):
+            seg = sh.cover(start, end)[0]
+            seg.block = blk
+            return
+        memo: dict[int, Access] = {}
+        for seg in sh.cover(start, end):
+            ob = seg.block
+            if ob is not None and not ob.freed:
+                self._note((E.NOTE, "warning", "an allocation overlapped live memory (a free was not seen)"))
+                self.allocator.release(ob, lambda x: False)
+            drop_streams = space == PINNED
+            recorded = ob.recorded if ob is not None else ()
+
+            def keep(x, ob=ob, recorded=recorded, drop_streams=drop_streams):
+                if x.clock <= h[x.agent]:
+                    return None
+                if x.agent != HOST and (drop_streams or x.agent in recorded):
+                    return None
+                if x.old:
+                    return x
+                y = memo.get(id(x))
+                if y is None:
+                    y = memo[id(x)] = x.as_old(ob)
+                return y
+
+            w = seg.write
+            if w is not None:
+                if type(w) is list:
+                    kept = [y for y in map(keep, w) if y is not None]
+                    seg.write = kept if len(kept) > 1 else (kept[0] if kept else None)
+                else:
+                    seg.write = keep(w)
+            rd = seg.reads
+            if rd is not None:
+                if type(rd) is dict:
+                    nd = {}
+                    for k, x in rd.items():
+                        y = keep(x)
+                        if y is not None:
+                            nd[k] = y
+                    seg.reads = nd or None
+                else:
+                    seg.reads = keep(rd)
+            seg.block = blk
+
+    def _missing_record_stream(self, x: Access, old: Block, cur: Access, new_block) -> Finding:
+        if self.keep_occurrences:
+            self.occurrences.append(Occurrence(MISSING_RECORD_STREAM, old.space, old.start, old.end, x.seq,
+                                               cur.seq, False))
+        lp, lc = self._loc(x), self._loc(cur)
+        fp = fingerprint(MISSING_RECORD_STREAM, lp, lc)
+        f = self.findings.get(fp)
+        if f is not None:
+            f.count += 1
+            return f
+        prev_write = bool(x.ranges_on(old.start, old.end, True))
+        f = Finding(MISSING_RECORD_STREAM, fp, x, cur, prev_write, True, old.space, old.start, old.end,
+                    new_block, old, lp, lc)
+        self.findings[fp] = f
+        return f
+
+    def _free(self, ev) -> None:
+        _, space, start, _stack = ev
+        self.counts["frees"] += 1
+        blk = self.allocator.live_block(space, start)
+        if blk is None:
+            return
+        vc = self.vc
+        own = vc[blk.owner] if blk.owner < len(vc) else vc[HOST]
+        h = vc[HOST]
+        self.allocator.release(blk, lambda x: x.clock > own[x.agent] and x.clock > h[x.agent])
+
+    def _block_at(self, space: int, start: int):
+        blk = self.allocator.live_block(space, start)
+        if blk is None:
+            sh = self.shadow.get(space)
+            seg = sh.find(start) if sh is not None else None
+            if seg is not None and seg.block is not None and not seg.block.freed:
+                blk = seg.block
+        return blk
+
+    def _record_stream(self, ev) -> None:
+        _, space, start, agent, _stack = ev
+        blk = self._block_at(space, start)
+        if blk is not None:
+            blk.recorded.add(agent)
+
+    def _label(self, ev) -> None:
+        _, space, start, _size, text = ev
+        blk = self._block_at(space, start)
+        if blk is not None:
+            blk.label = text
+
+    # ------------------------------------------------------------------ retirement
+    def retire(self) -> None:
+        """Forget accesses the host has synchronized past and empty history of dead memory."""
+        self._next_retire = self.seq + self._retire_every
+        h = self.vc[HOST]
+        for sh in self.shadow.values():
+            dead = []
+            for seg in sh:
+                w = seg.write
+                if w is not None:
+                    if type(w) is list:
+                        kept = [x for x in w if x.clock > h[x.agent]]
+                        seg.write = kept if len(kept) > 1 else (kept[0] if kept else None)
+                    elif w.clock <= h[w.agent]:
+                        seg.write = None
+                rd = seg.reads
+                if rd is not None:
+                    if type(rd) is dict:
+                        nd = {k: x for k, x in rd.items() if x.clock > h[x.agent]}
+                        seg.reads = nd or None
+                    elif rd.clock <= h[rd.agent]:
+                        seg.reads = None
+                if seg.write is None and seg.reads is None and (seg.block is None or seg.block.freed):
+                    dead.append(seg)
+            for seg in dead:
+                sh.remove(seg)
+
+    # ------------------------------------------------------------------ results
+    def shadow_size(self) -> int:
+        return sum(len(s) for s in self.shadow.values())
+
+    def sorted_findings(self) -> list[Finding]:
+        return sorted(self.findings.values(), key=lambda f: (f.previous.seq, f.current.seq))
