@@ -67,10 +67,11 @@ class Oracle:
     Queries: hb(xseq, yseq), is_race(xseq, yseq, space, byte), classify(xseq, yseq, space, byte).
     """
 
-    def __init__(self, events, reuse_edges="graph"):
-        assert reuse_edges in ("graph", "pair")
+    def __init__(self, events, reuse_edges="graph", fold="new-life"):
+        assert reuse_edges in ("graph", "pair") and fold in ("new-life", "later-lives")
         self.events = [tuple(ev) for ev in events]
         self.reuse_edges = reuse_edges
+        self.fold = fold
         # graph
         self.node_agent = []
         self.succ = []  # node -> set of successor nodes
@@ -280,7 +281,9 @@ class Oracle:
         """(kind, folded) of the pair (xseq, yseq) on that byte."""
         x, y = self._access(xseq, space, byte), self._access(yseq, space, byte)
         if x.life != y.life:
-            return "alloc-reuse", (x.seq, y.life) in self.folded
+            if self.fold == "new-life":
+                return "alloc-reuse", (x.seq, y.life) in self.folded
+            return "alloc-reuse", any(xs == x.seq and a <= y.life for xs, a in self.folded)
         if x.agent != E.HOST and y.agent != E.HOST:
             return "device-device", False
         return "host-device", False

@@ -1,0 +1,80 @@
+"""The two sentences of a finding that a user acts on: the missing edge and the fix.
+
+Both are built from the report's own dicts (an access's ``agent``, ``op``, ``type``, ``location``), so they
+read the same whether a report was built in-process or replayed. A stream is spelled as code where possible:
+its role name (``prefetch_stream``), ``torch.cuda.current_stream()`` for the role ``default``, or a
+placeholder ``<stream 0x...>`` when nothing better is known.
+"""
+
+from __future__ import annotations
+
+from ..findings import ALLOC_REUSE, HOST_DEVICE, MISSING_RECORD_STREAM
+
+
+def stream_code(agent: dict) -> str:
+    """An expression for the agent's stream, to paste into a fix."""
+    role = agent.get("role")
+    if role == "default":
+        return "torch.cuda.current_stream()"
+    if role:
+        return role
+    return f"<stream {agent.get('stream')}>"
+
+
+def agent_text(agent: dict) -> str:
+    """How a sentence names an agent: ``the host``, ``the default stream``, ``prefetch_stream``,
+    ``stream 0x5a``."""
+    if agent.get("kind") == "host":
+        return "the host"
+    role = agent.get("role")
+    if role == "default":
+        return "the default stream"
+    return role or f"stream {agent.get('stream')}"
+
+
+def _what(access: dict) -> str:
+    return f"{access['op']} ({access['type']}) at {access['location']}"
+
+
+def missing_edge(kind: str, prev: dict, cur: dict, allocation: dict) -> str:
+    """What ordering is missing between the two accesses, as one sentence."""
+    pa, ca = agent_text(prev["agent"]), agent_text(cur["agent"])
+    if kind == MISSING_RECORD_STREAM:
+        old = allocation.get("previous_life") or {}
+        where = f" allocated at {old['location']}" if old.get("location") else ""
+        tail = " It did on this run." if allocation.get("reused") else ""
+        return (f"The tensor{where} on {ca} was used on {pa} ({_what(prev)}) and freed without "
+                f"record_stream, and {ca} never waited for {pa}: the caching allocator was free to hand its "
+                f"memory to the allocation at {cur['location']} on {ca} while that use may still be "
+                f"pending.{tail}")
+    if kind == ALLOC_REUSE:
+        return (f"The memory was freed and allocated again: {_what(cur)} on {ca} in the new allocation is not "
+                f"ordered after {_what(prev)} on {pa} in the earlier one ({pa} was not recorded on the old "
+                f"tensor with record_stream, so the caching allocator did not wait for it).")
+    if kind == HOST_DEVICE and cur["agent"].get("kind") == "host":
+        return (f"The host's {_what(cur)} may run while {_what(prev)}, enqueued on {pa}, is still in flight: "
+                f"the host never synchronized with {pa} in between.")
+    return f"{_what(cur)} on {ca} is not ordered after {_what(prev)} on {pa}: nothing makes {ca} wait for {pa}."
+
+
+def fix(kind: str, prev: dict, cur: dict, memory: dict) -> str:
+    """A concrete change, with code, that adds the missing edge."""
+    p, c = stream_code(prev["agent"]), stream_code(cur["agent"])
+    tensor = memory.get("label") or "tensor"
+    if kind == MISSING_RECORD_STREAM:
+        return (f"Call `{tensor}.record_stream({p})` after the use at {prev['location']}, or "
+                f"`{c}.wait_stream({p})` before the tensor is freed (at the latest before the allocation at "
+                f"{cur['location']}).")
+    if kind == ALLOC_REUSE:
+        return (f"Call `{tensor}.record_stream({p})` on the earlier tensor after {prev['op']} at "
+                f"{prev['location']} so that the allocator waits for that stream before reusing its memory, or "
+                f"`{c}.wait_stream({p})` before {cur['op']} at {cur['location']}.")
+    if kind == HOST_DEVICE and cur["agent"].get("kind") == "host":
+        return (f"Call `{p}.synchronize()` (or `.synchronize()` on an event recorded after {prev['op']} at "
+                f"{prev['location']}) before the host {cur['type']} at {cur['location']}.")
+    if kind == HOST_DEVICE:
+        return (f"Make sure the host's {prev['op']} at {prev['location']} is complete before {cur['op']} is "
+                f"enqueued at {cur['location']}.")
+    return (f"Call `{c}.wait_stream({p})` before {cur['op']} at {cur['location']} (or record an event on "
+            f"{agent_text(prev['agent'])} after {prev['op']} at {prev['location']} and make "
+            f"{agent_text(cur['agent'])} wait on it).")

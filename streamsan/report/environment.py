@@ -1,0 +1,78 @@
+"""Where a program ran: the ``environment`` of a report.
+
+:func:`collect_environment` never fails and needs no GPU. It imports torch only when it is importable (never
+at streamsan import time), reports CuPy and transformers only when the program already imported them, and asks
+NVML (``pynvml`` from nvidia-ml-py, when installed) for the driver version and GPU names.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import sys
+
+from .build import version
+
+
+def _module_version(name: str, import_if_available: bool) -> str | None:
+    mod = sys.modules.get(name)
+    try:
+        if mod is None and import_if_available and importlib.util.find_spec(name) is not None:
+            mod = importlib.import_module(name)
+        return str(mod.__version__) if mod is not None else None
+    except Exception:  # a broken install must not break the report
+        return None
+
+
+def _torch_cuda() -> str | None:
+    try:
+        return sys.modules["torch"].version.cuda if "torch" in sys.modules else None
+    except Exception:
+        return None
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)  # older pynvml returns bytes
+
+
+def _nvml() -> tuple[str | None, list[str]]:
+    """(driver version, GPU names) from NVML, or (None, []) without NVML or a driver."""
+    try:
+        import pynvml
+    except Exception:
+        return None, []
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None, []
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                 for i in range(pynvml.nvmlDeviceGetCount())]
+        return _text(driver), [_text(n) for n in names]
+    except Exception:
+        return None, []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def collect_environment(command) -> dict:
+    """streamsan, Python, platform, torch (+ its CUDA runtime), CuPy, transformers, NVIDIA driver and GPUs,
+    and the command line. Unknown values are None."""
+    driver, gpus = _nvml()
+    torch_version = _module_version("torch", import_if_available=True)
+    return {
+        "streamsan": version(),
+        "python": f"{platform.python_version()} ({platform.python_implementation()})",
+        "platform": platform.platform(),
+        "torch": torch_version,
+        "cuda_runtime": _torch_cuda() if torch_version else None,
+        "cupy": _module_version("cupy", import_if_available=False),
+        "transformers": _module_version("transformers", import_if_available=False),
+        "nvidia_driver": driver,
+        "gpus": gpus,
+        "command": [str(c) for c in command],
+    }

@@ -1,0 +1,253 @@
+"""Sessions: wire tracers to an analyzer and/or a trace file.
+
+* ``with streamsan.watch() as s: ...`` analyzes in this process; ``s.findings``, ``s.report()``,
+  ``s.save(path)`` and ``s._repr_html_()`` (notebooks) give the result.
+* ``streamsan.enable()`` / ``streamsan.disable()``: the same without a ``with`` block.
+* :func:`start_from_env` is what ``streamsan wrap`` runs in every Python process it starts (through its
+  ``sitecustomize``): it records a trace file in ``$STREAMSAN_SESSION_DIR`` that the wrapping process
+  analyzes, so a crash of the program loses at most the last unflushed batch of events.
+
+Tracers attach when their library is imported (never importing it themselves).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import sys
+import threading
+
+from . import events as E
+from .analyzer import Analyzer
+from .imports import when_imported
+from .sink import EventBuffer
+
+log = logging.getLogger("streamsan")
+
+SCOPES = ("full", "hooks")
+
+
+class Session:
+    """One tracing session. ``analyze``: run the analyzer in this process; ``trace_path``: also record."""
+
+    def __init__(self, scope: str = "full", trace_path: str | None = None, analyze: bool = True,
+                 header: dict | None = None):
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
+        self.scope = scope
+        self.analyzer = Analyzer() if analyze else None
+        self.writer = None
+        consumers = []
+        if trace_path:
+            from .trace import TraceWriter
+
+            self.writer = TraceWriter(trace_path, header)
+            consumers.append(self.writer.write)
+        if self.analyzer is not None:
+            consumers.append(self._feed)
+        self.buffer = EventBuffer(consumers)
+        self.tracers: dict[str, object] = {}
+        self.active = False
+        self.problems: list[str] = []
+        self._said_no_cuda = False
+
+    def _feed(self, batch) -> None:
+        try:
+            self.analyzer.feed(batch)
+        except Exception as e:  # never break the program; say what was lost
+            msg = f"analyzer error, some events were not analyzed: {type(e).__name__}: {e}"
+            if msg not in self.problems:
+                self.problems.append(msg)
+                log.warning("streamsan: %s", msg)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "Session":
+        global _current
+        if _current is not None and _current is not self and _current.active:
+            raise RuntimeError("a streamsan session is already active in this process")
+        _current = self
+        self.active = True
+        when_imported("torch", self._attach_torch)
+        when_imported("transformers", self._attach_hooks)
+        return self
+
+    def _attach_torch(self, torch_module) -> None:
+        if not self.active or "torch" in self.tracers:
+            return
+        from .tracers.support import check_torch
+
+        problem = check_torch(torch_module)
+        if problem:
+            self._note(problem)
+            return
+        from .tracers.torch import TorchTracer
+
+        tracer = TorchTracer(self.buffer, scope=self.scope)
+        self.tracers["torch"] = tracer
+        tracer.start()
+
+    def _attach_hooks(self, module) -> None:
+        if not self.active:
+            return
+        try:
+            from .hooks import transformers as hooks
+        except ImportError:
+            return
+        hooks.install(self, module)
+
+    def _note(self, text: str, level: str = "warning") -> None:
+        self.buffer.events.append((E.NOTE, level, text))
+        if text not in self.problems:
+            self.problems.append(text)
+            print(f"streamsan: {text}", file=sys.stderr)
+
+    def stop(self) -> None:
+        global _current
+        if not self.active:
+            return
+        self.active = False
+        for tracer in list(self.tracers.values()):
+            try:
+                tracer.stop()
+            except Exception as e:
+                self.problems.append(f"tracer did not stop cleanly: {e}")
+        torch_tracer = self.tracers.get("torch")
+        if "torch" in sys.modules and (torch_tracer is None or not torch_tracer.saw_cuda):
+            self._note_no_cuda()
+        self.buffer.flush()
+        if self.writer is not None:
+            self.writer.close()
+        if _current is self:
+            _current = None
+
+    def _note_no_cuda(self) -> None:
+        torch = sys.modules.get("torch")
+        try:
+            available = bool(torch.cuda.is_available())
+        except Exception:
+            available = False
+        if not available:
+            self._note("no CUDA device is available: nothing could be checked (the program ran unchanged)")
+
+    def __enter__(self) -> "Session":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ hook API
+    @property
+    def torch_tracer(self):
+        return self.tracers.get("torch")
+
+    # ------------------------------------------------------------------ results
+    @property
+    def findings(self) -> list:
+        if self.analyzer is None:
+            return []
+        if self.active:
+            self.buffer.flush()
+        return self.analyzer.sorted_findings()
+
+    def report(self, command=None) -> dict:
+        from .report.build import build_report
+        from .report.environment import collect_environment
+
+        if self.active:
+            self.buffer.flush()
+        cmd = list(command) if command is not None else list(getattr(sys, "orig_argv", sys.argv))
+        return build_report(self.analyzer, command=cmd, environment=collect_environment(cmd),
+                            complete=not self.problems or all("analyzer error" not in p for p in self.problems),
+                            problems=tuple(self.problems))
+
+    def save(self, path: str) -> str:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(self.report(), f, indent=2)
+        return path
+
+    def _repr_html_(self) -> str:
+        from .report.render_html import render_session_html
+
+        return render_session_html(self.report())
+
+
+_current: Session | None = None
+
+
+def watch(scope: str = "full", trace: str | None = None) -> Session:
+    """``with streamsan.watch() as s:`` traces and analyzes the block; ``trace`` also records a trace file."""
+    return Session(scope=scope, trace_path=trace)
+
+
+def enable(scope: str = "full", trace: str | None = None) -> Session:
+    """Start tracing until :func:`disable` (or the end of the process)."""
+    s = Session(scope=scope, trace_path=trace).start()
+    atexit.register(s.stop)
+    return s
+
+
+def disable() -> Session | None:
+    """Stop the session started by :func:`enable`; returns it (its findings stay readable)."""
+    s = _current
+    if s is not None:
+        s.stop()
+    return s
+
+
+def current() -> Session | None:
+    return _current
+
+
+# ---------------------------------------------------------------------- streamsan wrap, child side
+def start_from_env() -> Session | None:
+    """Start recording for ``streamsan wrap`` if ``STREAMSAN_SESSION_DIR`` is set; never raises."""
+    d = os.environ.get("STREAMSAN_SESSION_DIR")
+    if not d or _current is not None:
+        return None
+    scope = os.environ.get("STREAMSAN_SCOPE", "full")
+    if scope not in SCOPES:
+        scope = "full"
+    s = Session(scope=scope, trace_path=os.path.join(d, f"trace-{os.getpid()}.sstrace"), analyze=False,
+                header={"command": list(getattr(sys, "orig_argv", sys.argv)), "scope": scope})
+    s.start()
+    _install_exit_handlers(s)
+    return s
+
+
+def _install_exit_handlers(s: Session) -> None:
+    atexit.register(s.stop)
+    real_exit = os._exit
+
+    def _exit(code):
+        try:
+            s.stop()
+        finally:
+            real_exit(code)
+
+    os._exit = _exit
+
+    def on_signal(signum, frame):
+        s.stop()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+                signal.signal(sig, on_signal)
+
+    def after_fork_in_child():
+        # The child must not write into the parent's trace: it gets its own file and fresh tracer state.
+        global _current
+        for t in s.tracers.values():
+            t.running = False
+        s.buffer.events = []
+        s.active = False
+        _current = None
+        start_from_env()
+
+    os.register_at_fork(after_in_child=after_fork_in_child)

@@ -1,0 +1,42 @@
+"""The event buffer between tracers and consumers (an analyzer, a trace file, or both).
+
+Tracers append event tuples to :attr:`EventBuffer.events` (a plain list: the cheapest thing to do on a hot
+path) and call :meth:`EventBuffer.flush` when it is long; every consumer gets each batch in order. Consumers
+are callables taking a list of events.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from . import events as E
+
+
+class EventBuffer:
+    """A list of pending events and the consumers that batches go to."""
+
+    def __init__(self, consumers=(), batch: int = 512):
+        self.events: list = []
+        self.consumers = list(consumers)
+        self.batch = batch
+        self.total = 0
+        self._lock = threading.Lock()
+        self._ctx_ids: dict[str, int] = {}
+
+    def flush(self) -> None:
+        with self._lock:
+            evs = self.events
+            if not evs:
+                return
+            self.events = []
+            self.total += len(evs)
+            for consume in self.consumers:
+                consume(evs)
+
+    def context_id(self, text: str) -> int:
+        """The id of a context text, defining it on first use."""
+        cid = self._ctx_ids.get(text)
+        if cid is None:
+            cid = self._ctx_ids[text] = len(self._ctx_ids) + 1
+            self.events.append((E.DEF_CONTEXT, cid, text))
+        return cid

@@ -1,0 +1,173 @@
+"""Trace files: a versioned, compressed, append-only record of events that `streamsan replay` analyzes.
+
+Format ``streamsan.trace/1``::
+
+    file   := MAGIC frame*
+    MAGIC  := b"SSTRACE1"
+    frame  := length:u32le  crc32:u32le  type:u8  payload[length]      (crc32 over type + payload)
+    type   := b"H" header  | b"E" events | b"Z" end
+
+* ``H`` (first frame): zlib-compressed UTF-8 JSON object: ``{"format": "streamsan.trace/1", "created": ...,
+  "pid": ..., "command": [...], "environment": {...}}``.
+* ``E``: zlib-compressed Python ``marshal`` (version 4) of a list of events (tuples, see
+  :mod:`streamsan.events`). marshal keeps replay fast; its format for ints, strings, tuples and lists is stable
+  across Python versions. Every frame is checksummed before it is decoded.
+* ``Z`` (last frame, absent if the writer died): zlib-compressed JSON ``{"events": N, "complete": true}``.
+
+The writer appends a frame per batch and hands it to the OS at once, so a crash loses only the batch being
+filled. A reader stops at the first truncated frame and reports the trace as incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import marshal
+import os
+import struct
+import time
+import zlib
+
+from . import events as E
+
+MAGIC = b"SSTRACE1"
+FORMAT = "streamsan.trace/1"
+_HDR = struct.Struct("<IIc")
+MAX_FRAME = 1 << 28
+
+
+class TraceError(Exception):
+    """A trace file that cannot be read; the message is one line for the user."""
+
+
+class TraceWriter:
+    """Appends frames to a trace file. ``write(batch)`` takes a list of event tuples."""
+
+    def __init__(self, path: str, header: dict | None = None):
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.events = 0
+        self.closed = False
+        h = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid()}
+        h.update(header or {})
+        os.write(self.fd, MAGIC)
+        self._frame(b"H", zlib.compress(json.dumps(h, default=str).encode(), 6))
+
+    def _frame(self, kind: bytes, payload: bytes) -> None:
+        crc = zlib.crc32(payload, zlib.crc32(kind))
+        data = _HDR.pack(len(payload), crc, kind) + payload
+        view = memoryview(data)
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+
+    def write(self, batch) -> None:
+        if batch and not self.closed:
+            self._frame(b"E", zlib.compress(marshal.dumps(list(batch), 4), 1))
+            self.events += len(batch)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self._frame(b"Z", zlib.compress(json.dumps({"events": self.events, "complete": True}).encode()))
+        os.close(self.fd)
+        self.closed = True
+
+
+class TraceReader:
+    """Reads a trace file: :attr:`header`, then :meth:`batches` yields lists of validated-shape events.
+
+    After iteration, :attr:`complete` says whether the end frame was seen and :attr:`problem` names the
+    first damaged frame, if any (the events before it are still delivered).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.f = open(path, "rb")
+        except FileNotFoundError:
+            raise TraceError(f"{path}: no such trace file") from None
+        except IsADirectoryError:
+            raise TraceError(f"{path}: is a directory, not a trace file") from None
+        except OSError as e:
+            raise TraceError(f"{path}: cannot read ({e.strerror})") from None
+        magic = self.f.read(len(MAGIC))
+        if magic != MAGIC:
+            self.f.close()
+            if magic.startswith(b"SSTRACE"):
+                raise TraceError(f"{path}: trace format {magic[7:].decode(errors='replace')!r} is not supported "
+                                 f"(this streamsan reads {FORMAT})")
+            raise TraceError(f"{path}: not a streamsan trace (bad magic bytes)")
+        self.complete = False
+        self.problem: str | None = None
+        self.events = 0
+        kind, payload = self._next() or (None, None)
+        if kind != b"H":
+            self.f.close()
+            raise TraceError(f"{path}: trace header is missing or damaged")
+        try:
+            self.header = json.loads(zlib.decompress(payload))
+        except (zlib.error, ValueError):
+            self.f.close()
+            raise TraceError(f"{path}: trace header is damaged") from None
+        fmt = self.header.get("format") if isinstance(self.header, dict) else None
+        if fmt != FORMAT:
+            self.f.close()
+            raise TraceError(f"{path}: trace format {fmt!r} is not supported (this streamsan reads {FORMAT})")
+
+    def _next(self):
+        hdr = self.f.read(_HDR.size)
+        if not hdr:
+            return None
+        if len(hdr) < _HDR.size:
+            self.problem = "truncated frame header"
+            return None
+        length, crc, kind = _HDR.unpack(hdr)
+        if length > MAX_FRAME:
+            self.problem = f"frame of {length} bytes is larger than the format allows"
+            return None
+        payload = self.f.read(length)
+        if len(payload) < length:
+            self.problem = "truncated frame"
+            return None
+        if zlib.crc32(payload, zlib.crc32(kind)) != crc:
+            self.problem = "checksum mismatch"
+            return None
+        return kind, payload
+
+    def batches(self):
+        try:
+            while True:
+                fr = self._next()
+                if fr is None:
+                    return
+                kind, payload = fr
+                if kind == b"E":
+                    try:
+                        batch = marshal.loads(zlib.decompress(payload))
+                    except (zlib.error, ValueError, EOFError, TypeError):
+                        self.problem = "undecodable event frame"
+                        return
+                    if not isinstance(batch, list):
+                        self.problem = "event frame is not a list"
+                        return
+                    self.events += len(batch)
+                    yield batch
+                elif kind == b"Z":
+                    self.complete = True
+                    return
+                else:
+                    self.problem = f"unknown frame type {kind!r}"
+                    return
+        finally:
+            self.f.close()
+
+
+def validate_batch(batch, first_index: int = 0) -> list:
+    """Validate every event of a batch (slow; used to explain a batch the analyzer could not apply)."""
+    out = []
+    for i, ev in enumerate(batch):
+        try:
+            out.append(E.validate(ev))
+        except E.BadEvent as e:
+            raise TraceError(f"event {first_index + i}: {e}") from None
+    return out

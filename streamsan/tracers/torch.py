@@ -1,0 +1,637 @@
+"""The torch tracer: turns a live PyTorch program into streamsan events.
+
+What it watches:
+
+* every aten op, through a ``TorchDispatchMode``: its read and write sets from the schema's alias information
+  (in-place and ``out=`` arguments are writes, fresh outputs are writes, view and metadata-only arguments are
+  not accesses), as byte ranges of device memory or pinned host memory, on the stream current at dispatch;
+  ops on pinned CPU tensors with no CUDA tensor involved are host accesses;
+* events, waits, synchronizations, allocations and frees, through PyTorch's GPU trace callbacks;
+* what those miss: ``record_stream`` (an aten op), ``Event.query()`` / ``Stream.query()`` returning True
+  (patched), copies into pageable host memory (CUDA returns only after them: modelled as a host sync),
+  pinned allocations (outputs of pinning ops and of non-blocking device-to-host copies).
+
+It never synchronizes, waits on events, reads device memory or changes streams (DESIGN §5): it reads tensor
+metadata and stream handles only. Events fired inside an op (its allocations, the synchronization of a
+blocking copy) are placed around the op's own event so that allocations precede the op and syncs follow it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import events as E
+from ..stacks import StackTable
+
+_cuda_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+# In-place ops that change only metadata (or rebind storage): their alias annotation says "write", but they
+# launch no kernel on the data.
+METADATA_INPLACE = frozenset({
+    "transpose_", "t_", "squeeze_", "unsqueeze_", "as_strided_", "swapdims_", "swapaxes_", "detach_", "set_",
+    "resize_", "resize_as_", "_resize_output_", "_coalesced_", "requires_grad_", "retain_grad",
+})
+# Ops that touch no tensor data at all.
+NO_ACCESS = frozenset({
+    "is_pinned", "_pin_memory", "record_stream", "size", "stride", "numel", "dim", "sym_size", "sym_stride",
+    "sym_numel", "sym_storage_offset", "storage_offset", "is_contiguous", "is_non_overlapping_and_dense",
+    "_nested_tensor_size", "_nested_tensor_strides", "empty", "empty_strided", "empty_like", "new_empty",
+    "new_empty_strided", "_empty_affine_quantized", "lift_fresh", "alias", "detach", "_has_compatible_shallow_copy_type",
+    "data", "is_same_size", "_version", "set_data", "_fw_primal", "_make_dual", "_unpack_dual", "resize_",
+})
+# Ops whose CPU output is pinned memory.
+PINNING = frozenset({"_pin_memory", "pin_memory"})
+COPIES = frozenset({"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "to"})
+_FACTORY_SUFFIX = ("_like",)
+_FACTORY_PREFIX = ("new_",)
+
+
+class OpPlan:
+    """How to read one op overload's accesses from its arguments, derived once from its schema.
+
+    ``tensor_args``: (position, name, is_write, is_list) for every tensor argument the kernel touches.
+    ``fresh_outputs``: whether returned tensors are new memory the op writes. ``skip``: no access at all.
+    """
+
+    __slots__ = ("name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy", "pinning",
+                 "n_positional")
+
+    def __init__(self, func):
+        schema = func._schema
+        base = schema.name.split("::")[-1]
+        self.name = schema.name + ("." + schema.overload_name if schema.overload_name else "")
+        self.metadata_inplace = base in METADATA_INPLACE
+        self.is_copy = base in COPIES
+        self.pinning = base in PINNING
+        factory = base.endswith(_FACTORY_SUFFIX) or base.startswith(_FACTORY_PREFIX)
+        args = []
+        for i, a in enumerate(schema.arguments):
+            t = a.type
+            kind = _tensor_kind(t)
+            if kind is None:
+                continue
+            alias = a.alias_info
+            is_write = bool(alias is not None and alias.is_write)
+            if alias is not None and not is_write:
+                continue  # a view of this argument: metadata only
+            if factory and not is_write:
+                continue  # *_like / new_*: only the input's metadata
+            if self.metadata_inplace:
+                continue
+            args.append((i if not a.kwarg_only else -1, a.name, is_write, kind == "list"))
+        self.tensor_args = tuple(args)
+        self.n_positional = sum(1 for a in schema.arguments if not a.kwarg_only)
+        self.fresh_outputs = bool(schema.returns) and all(
+            r.alias_info is None for r in schema.returns) and any(_tensor_kind(r.type) for r in schema.returns)
+        self.skip = (base in NO_ACCESS and not self.pinning) or (not self.tensor_args and not self.fresh_outputs)
+
+
+def _tensor_kind(t):
+    s = str(t)
+    if s in ("Tensor", "Tensor?"):
+        return "tensor"
+    if s in ("Tensor[]", "Tensor?[]", "List[Tensor]", "List[Optional[Tensor]]", "Tensor(a)[]", "Tensor(a!)[]"):
+        return "list"
+    if s.startswith("Tensor") and "[]" in s:
+        return "list"
+    return None
+
+
+def describe(t) -> str:
+    """``dtype[shape]`` of a tensor, e.g. ``bfloat16[1, 8, 512, 128]``."""
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+class _Mode(TorchDispatchMode):
+    """The dispatch mode; all work is in :meth:`TorchTracer._dispatch`."""
+
+    def __init__(self, tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.tracer.running:
+            return func(*args, **(kwargs or {}))
+        return self.tracer._dispatch(func, args, kwargs or {})
+
+
+class _GpuTrace:
+    """Routes PyTorch's process-wide GPU trace callbacks to the active tracer (they cannot be unregistered)."""
+
+    active = None
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls.installed:
+            return
+        import torch.cuda._gpu_trace as gt
+
+        torch._C._activate_gpu_trace()
+        gt.register_callback_for_event_deletion(lambda e: cls.active and cls.active._on_event_delete(e))
+        gt.register_callback_for_event_record(lambda e, s: cls.active and cls.active._on_event_record(e, s))
+        gt.register_callback_for_event_wait(lambda e, s: cls.active and cls.active._on_event_wait(e, s))
+        gt.register_callback_for_memory_allocation(lambda p: cls.active and cls.active._on_alloc(p))
+        gt.register_callback_for_memory_deallocation(lambda p: cls.active and cls.active._on_free(p))
+        gt.register_callback_for_device_synchronization(lambda: cls.active and cls.active._on_device_sync())
+        gt.register_callback_for_stream_synchronization(lambda s: cls.active and cls.active._on_stream_sync(s))
+        gt.register_callback_for_event_synchronization(lambda e: cls.active and cls.active._on_event_sync(e))
+        cls.installed = True
+
+
+class TorchTracer:
+    """Feeds events about the torch program into ``buffer`` (a :class:`streamsan.sink.EventBuffer`).
+
+    ``scope="full"`` traces every op from :meth:`start`; ``scope="hooks"`` traces ops only inside
+    :meth:`scoped` regions (entered by library hooks) while still seeing every sync and allocation.
+    """
+
+    def __init__(self, buffer, scope: str = "full"):
+        self.buffer = buffer
+        self.scope = scope
+        self.stacks = StackTable()
+        self.plans: dict = {}
+        self.agent_of: dict[tuple[int, int], int] = {}
+        self.agent_by_handle: dict[int, int] = {}
+        self.live_device: dict[int, int] = {}
+        self.pinned: dict[int, int] = {}  # base pointer -> bytes of pinned host blocks seen
+        self.ctx = 0
+        self.op_agent = None  # (device, agent) of the op being dispatched, for its allocations
+        self.saw_cuda = False
+        self.running = False
+        self._modes: list = []
+        self._scope_depth = threading.local()
+        self._patched: list = []
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        _GpuTrace.install()
+        _GpuTrace.active = self
+        self.running = True
+        self._patch()
+        if self.scope == "full":
+            self._enter_mode()
+            threading.setprofile(self._thread_start)
+
+    def stop(self) -> None:
+        if not self.running:
+            return
+        self.running = False
+        threading.setprofile(None)
+        while self._modes:
+            mode = self._modes.pop()
+            try:
+                mode.__exit__(None, None, None)
+            except Exception:
+                pass
+        self._unpatch()
+        if _GpuTrace.active is self:
+            _GpuTrace.active = None
+        self.buffer.flush()
+
+    def _enter_mode(self):
+        mode = _Mode(self)
+        mode.__enter__()
+        self._modes.append(mode)
+        return mode
+
+    def _thread_start(self, frame, event, arg):
+        """Profile hook run once in each new thread: put the dispatch mode on that thread's mode stack."""
+        import sys
+
+        sys.setprofile(None)
+        if self.running:
+            _Mode(self).__enter__()
+
+    # ------------------------------------------------------------------ agents
+    def agent(self, device: int, handle: int) -> int:
+        key = (device, handle)
+        a = self.agent_of.get(key)
+        if a is None:
+            a = self._declare(device, handle)
+        return a
+
+    def _declare(self, device: int, handle: int, name: str = "") -> int:
+        with self._lock:
+            key = (device, handle)
+            a = self.agent_of.get(key)
+            if a is not None:
+                return a
+            a = len(self.agent_of) + 1
+            self.agent_of[key] = a
+            if handle != 0:
+                self.agent_by_handle[handle] = a
+            flags = 0
+            if handle == 0:
+                flags = E.LEGACY_DEFAULT
+                name = name or "default"
+            elif handle == 2:
+                flags = E.BLOCKING  # cudaStreamPerThread
+                name = name or "per-thread default"
+            self.buffer.events.append((E.STREAM, a, device, handle, flags, name))
+            return a
+
+    def name_stream(self, stream, name: str) -> None:
+        """Give a stream (torch.cuda.Stream / torch.Stream) a role name for reports."""
+        device, handle = _stream_key(stream)
+        a = self.agent(device, handle)
+        flags = E.LEGACY_DEFAULT if handle == 0 else 0
+        self.buffer.events.append((E.STREAM, a, device, handle, flags, name))
+
+    def _agent_for_handle(self, handle: int) -> int:
+        if handle != 0:
+            a = self.agent_by_handle.get(handle)
+            if a is not None:
+                return a
+        dev = _cuda_get_device()
+        return self.agent(dev, handle)
+
+    # ------------------------------------------------------------------ labels and context
+    def label(self, tensor, text: str) -> None:
+        r = self._range(tensor)
+        if r is not None:
+            base = r[1] - tensor.storage_offset() * tensor.element_size()
+            self.buffer.events.append((E.LABEL, r[0], base, tensor.untyped_storage().nbytes(), text))
+
+    def push_context(self, text: str) -> int:
+        prev = self.ctx
+        self.ctx = self.buffer.context_id(text)
+        if self.scope == "hooks":
+            depth = getattr(self._scope_depth, "n", 0)
+            self._scope_depth.n = depth + 1
+            if depth == 0 and self.running:
+                self._enter_mode()
+        return prev
+
+    def pop_context(self, prev: int) -> None:
+        self.ctx = prev
+        if self.scope == "hooks":
+            depth = self._scope_depth.n - 1
+            self._scope_depth.n = depth
+            if depth == 0 and self._modes:
+                self._modes.pop().__exit__(None, None, None)
+
+    # ------------------------------------------------------------------ GPU trace callbacks
+    def _emit(self, ev) -> None:
+        evs = self.buffer.events
+        evs.append(ev)
+        if len(evs) >= self.buffer.batch and self.op_agent is None:
+            self.buffer.flush()
+
+    def _on_event_delete(self, e):
+        self.buffer.events.append((E.EVENT_DELETE, e))
+
+    def _on_event_record(self, e, s):
+        self._emit((E.EVENT_RECORD, e, self._agent_for_handle(s), self.stacks.capture(self.buffer.events, 2)))
+
+    def _on_event_wait(self, e, s):
+        self._emit((E.EVENT_WAIT, e, self._agent_for_handle(s), self.stacks.capture(self.buffer.events, 2)))
+
+    def _on_stream_sync(self, s):
+        self._emit((E.STREAM_SYNC, self._agent_for_handle(s), self.stacks.capture(self.buffer.events, 2)))
+
+    def _on_event_sync(self, e):
+        self._emit((E.EVENT_SYNC, e, self.stacks.capture(self.buffer.events, 2)))
+
+    def _on_device_sync(self):
+        self._emit((E.DEVICE_SYNC, _cuda_get_device(), self.stacks.capture(self.buffer.events, 2)))
+
+    def _on_alloc(self, ptr):
+        cur = self.op_agent
+        if cur is None:
+            dev = _cuda_get_device()
+            cur = (dev, self.agent(dev, _cuda_raw_stream(dev)), 0, 0)
+        dev, a, stack, ctx = cur
+        self.live_device[ptr] = dev
+        self._emit((E.ALLOC, dev, ptr, 0, a, stack, ctx, ""))
+
+    def _on_free(self, ptr):
+        dev = self.live_device.pop(ptr, None)
+        if dev is None:
+            return
+        self._emit((E.FREE, dev, ptr, 0))
+
+    # ------------------------------------------------------------------ patches
+    def _patch(self) -> None:
+        tracer = self
+        targets = []
+        cuda = getattr(torch, "cuda", None)
+        if cuda is not None and hasattr(cuda, "Event"):
+            targets.append((cuda.Event, "query", "event"))
+            targets.append((cuda.Stream, "query", "stream"))
+        for cls, attr, what in targets:
+            orig = cls.__dict__.get(attr)
+            if orig is None:
+                continue
+
+            def make(orig, what):
+                def query(self):
+                    done = orig(self)
+                    if done and tracer.running:
+                        if what == "event":
+                            h = getattr(self, "cuda_event", 0)
+                            if h:
+                                tracer._emit((E.EVENT_SYNC, h, tracer.stacks.capture(tracer.buffer.events, 1)))
+                        else:
+                            dev, handle = _stream_key(self)
+                            tracer._emit((E.STREAM_SYNC, tracer.agent(dev, handle),
+                                          tracer.stacks.capture(tracer.buffer.events, 1)))
+                    return done
+                query.__wrapped__ = orig
+                query.__doc__ = orig.__doc__
+                return query
+
+            setattr(cls, attr, make(orig, what))
+            self._patched.append((cls, attr, orig))
+
+    def _unpatch(self) -> None:
+        while self._patched:
+            cls, attr, orig = self._patched.pop()
+            setattr(cls, attr, orig)
+
+    # ------------------------------------------------------------------ ranges
+    def _range(self, t):
+        """The byte range a tensor's kernel may touch, or None (not CUDA / pinned memory, or empty)."""
+        if t.is_cuda:
+            space = t.get_device()
+        elif t.is_cpu:
+            space = E.PINNED
+        else:
+            return None
+        n = t.nbytes
+        if n == 0:
+            return None
+        try:
+            p = t.data_ptr()
+        except RuntimeError:
+            return None
+        if space == E.PINNED:
+            if not self._is_pinned(t, p):
+                return None
+        if t.is_contiguous():
+            return (space, p, n)
+        sizes = t.shape
+        strides = t.stride()
+        its = t.element_size()
+        extent = 1
+        dense = True
+        for sz, st in zip(sizes, strides):
+            if sz > 1:
+                if st == 0:
+                    dense = False
+                extent += (sz - 1) * st
+        extent *= its
+        if dense and extent == n:
+            return (space, p, n)
+        return (space, p, extent, (its, tuple(sizes), tuple(strides)))
+
+    def _is_pinned(self, t, p) -> bool:
+        pinned = self.pinned
+        if not pinned:
+            return False
+        base = p - t.storage_offset() * t.element_size()
+        return base in pinned
+
+    def _learn_pinned(self, plan, args, kwargs) -> None:
+        """Before a copy: find out whether its CPU tensors are pinned blocks not seen being created (pinned
+        before tracing started, or by a path the tracer does not see)."""
+        for pos, name, _w, is_list in plan.tensor_args:
+            v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
+            if isinstance(v, torch.Tensor) and v.is_cpu and v.nbytes:
+                p = v.data_ptr()
+                if p and not self._is_pinned(v, p) and v.is_pinned():
+                    ev = self._register_pinned(v)
+                    if ev is not None:
+                        self.buffer.events.append(ev)
+
+    def _register_pinned(self, t) -> tuple | None:
+        """A new pinned host block (an op's output): returns its ALLOC event."""
+        st = t.untyped_storage()
+        base = st.data_ptr()
+        size = st.nbytes()
+        if size == 0:
+            return None
+        self.pinned[base] = size
+        return (E.ALLOC, E.PINNED, base, size, E.HOST, 0, self.ctx, describe(t))
+
+    # ------------------------------------------------------------------ dispatch
+    def _plan(self, func) -> OpPlan:
+        plan = self.plans.get(func)
+        if plan is None:
+            plan = self.plans[func] = OpPlan(func)
+        return plan
+
+    def _dispatch(self, func, args, kwargs):
+        plan = self.plans.get(func) or self._plan(func)
+        if plan.skip:
+            if plan.name == "aten::record_stream":
+                self._record_stream(args)
+            return func(*args, **kwargs)
+        if plan.pinning or (plan.is_copy and _maybe_pinned_output(plan, args, kwargs)):
+            return self._dispatch_pinning(func, plan, args, kwargs)
+        if plan.is_copy:
+            self._learn_pinned(plan, args, kwargs)
+        reads = []
+        writes = []
+        dev = -1
+        cpu = None
+        cpu_written = False
+        rng = self._range
+        nargs = len(args)
+        for pos, name, is_write, is_list in plan.tensor_args:
+            v = args[pos] if 0 <= pos < nargs else kwargs.get(name)
+            if v is None:
+                continue
+            if is_list:
+                for t in v:
+                    if t is None:
+                        continue
+                    if t.is_cuda:
+                        dev = t.get_device()
+                    elif t.is_cpu:
+                        cpu = t
+                    r = rng(t)
+                    if r is not None:
+                        (writes if is_write else reads).append(r)
+                continue
+            if not isinstance(v, torch.Tensor):
+                continue
+            if v.is_cuda:
+                if dev < 0 or (plan.is_copy and not is_write):
+                    dev = v.get_device()
+            elif v.is_cpu:
+                cpu = v
+                cpu_written = is_write
+            r = rng(v)
+            if r is not None:
+                (writes if is_write else reads).append(r)
+        if dev < 0:
+            if not reads and not writes:
+                return func(*args, **kwargs)
+            return self._host_op(func, plan, args, kwargs, reads, writes)
+        self.saw_cuda = True
+        a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
+        evs = self.buffer.events
+        stack = self.stacks.capture(evs, 2)
+        ctx = self.ctx
+        flags = 0
+        if plan.is_copy and cpu is not None:
+            flags = self._copy_flags(cpu, cpu_written, args, kwargs)
+        outer = self.op_agent
+        self.op_agent = (dev, a, stack, ctx)
+        mark = len(evs)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.op_agent = outer
+        if plan.fresh_outputs:
+            self._outputs(out, writes)
+        evs = self.buffer.events
+        op = (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
+        if len(evs) > mark:
+            self._place(evs, mark, op, out if plan.fresh_outputs else None)
+        else:
+            evs.append(op)
+        if len(evs) >= self.buffer.batch and outer is None:
+            self.buffer.flush()
+        return out
+
+    def _copy_flags(self, cpu, cpu_written, args, kwargs) -> int:
+        """OP_BLOCKING for copies the host waits for: into pageable memory (CUDA returns once it is done, even
+        when non_blocking), and blocking copies (their stream synchronization is also reported by PyTorch)."""
+        p = cpu.data_ptr()
+        if not p:
+            return 0
+        pinned = self._is_pinned(cpu, p)
+        non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
+        if not non_blocking or (cpu_written and not pinned):
+            return E.OP_BLOCKING
+        return 0
+
+    def _outputs(self, out, writes) -> None:
+        if isinstance(out, torch.Tensor):
+            r = self._range(out)
+            if r is not None:
+                writes.append(r)
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    r = self._range(t)
+                    if r is not None:
+                        writes.append(r)
+
+    def _place(self, evs, mark, op, out, pre=()) -> None:
+        """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the op,
+        then everything else (a blocking copy's synchronization, the pinned allocator's event record)."""
+        inner = evs[mark:]
+        del evs[mark:]
+        evs.extend(pre)
+        sizes = {}
+        if out is not None:
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    st = t.untyped_storage()
+                    sizes[st.data_ptr()] = (st.nbytes(), describe(t))
+        after = []
+        for ev in inner:
+            if ev[0] == E.ALLOC:
+                if ev[3] == 0 and ev[2] in sizes:
+                    size, what = sizes[ev[2]]
+                    ev = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5], ev[6], what)
+                evs.append(ev)
+            elif ev[0] in (E.STREAM, E.DEF_STACK, E.DEF_CONTEXT):
+                evs.append(ev)
+            else:
+                after.append(ev)
+        evs.append(op)
+        evs.extend(after)
+
+    def _host_op(self, func, plan, args, kwargs, reads, writes):
+        """An op on CPU tensors that touches pinned memory: a host access."""
+        evs = self.buffer.events
+        stack = self.stacks.capture(evs, 3)
+        out = func(*args, **kwargs)
+        if plan.fresh_outputs:
+            self._outputs(out, writes)
+        evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0))
+        if len(evs) >= self.buffer.batch and self.op_agent is None:
+            self.buffer.flush()
+        return out
+
+    def _dispatch_pinning(self, func, plan, args, kwargs):
+        """Ops whose output may be new pinned memory: pin_memory(), and non-blocking device-to-host copies.
+        The pinned block is declared (ALLOC) before the op that fills it."""
+        dev = -1
+        for pos, name, _w, is_list in plan.tensor_args:
+            v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
+            if isinstance(v, torch.Tensor) and v.is_cuda:
+                dev = v.get_device()
+        evs = self.buffer.events
+        stack = self.stacks.capture(evs, 3)
+        a = E.HOST
+        if dev >= 0:
+            self.saw_cuda = True
+            a = self.agent(dev, _cuda_raw_stream(dev))
+        outer = self.op_agent
+        self.op_agent = (dev, a, stack, self.ctx) if dev >= 0 else None
+        mark = len(evs)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.op_agent = outer
+        pre = []
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.is_cpu and t.nbytes and t.is_pinned():
+                ev = self._register_pinned(t)
+                if ev is not None:
+                    pre.append(ev)
+        reads, writes = self._args_ranges(plan, args, kwargs)
+        self._outputs(out, writes)
+        op = (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0)
+        evs = self.buffer.events
+        self._place(evs, mark, op, out, pre)
+        return out
+
+    def _args_ranges(self, plan, args, kwargs):
+        reads, writes = [], []
+        for pos, name, is_write, is_list in plan.tensor_args:
+            v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
+            for t in (v if is_list else (v,)):
+                if isinstance(t, torch.Tensor):
+                    r = self._range(t)
+                    if r is not None:
+                        (writes if is_write else reads).append(r)
+        return reads, writes
+
+    def _record_stream(self, args) -> None:
+        t, s = args[0], args[1]
+        if not isinstance(t, torch.Tensor) or not t.is_cuda:
+            return
+        dev, handle = _stream_key(s)
+        a = self.agent(dev, handle)
+        base = t.untyped_storage().data_ptr()
+        self._emit((E.RECORD_STREAM, t.get_device(), base, a, self.stacks.capture(self.buffer.events, 3)))
+
+
+def _maybe_pinned_output(plan, args, kwargs) -> bool:
+    """A non-blocking copy from CUDA to the CPU returns pinned memory (``_to_copy`` only)."""
+    if plan.name != "aten::_to_copy" or not kwargs.get("non_blocking"):
+        return False
+    src = args[0] if args else kwargs.get("self")
+    dev = kwargs.get("device")
+    return isinstance(src, torch.Tensor) and src.is_cuda and dev is not None and torch.device(dev).type == "cpu"
+
+
+def _stream_key(stream) -> tuple[int, int]:
+    """(device index, raw cudaStream_t) of a torch.cuda.Stream or torch.Stream."""
+    handle = getattr(stream, "cuda_stream", None)
+    dev = stream.device_index if hasattr(stream, "device_index") else stream.device.index
+    if handle is None:
+        cs = torch.cuda.Stream(stream_id=stream.stream_id, device_index=dev, device_type=stream.device_type)
+        handle = cs.cuda_stream
+    return dev, handle
