@@ -23,7 +23,7 @@ from .shadow import Access, ShadowSpace
 
 HOST = E.HOST
 PINNED = E.PINNED
-MAX_STRIDED_STATE = 16
+MAX_STRIDED_STATE = 64  # distinct strided views kept per shadow range before forgetting
 
 
 class Occurrence(NamedTuple):
@@ -92,6 +92,7 @@ class Analyzer:
         self.contexts: dict[int, str] = {0: ""}
         self._loc_cache: dict[int, str] = {}
         self.findings: dict[str, Finding] = {}
+        self._last_race = None
         self.keep_occurrences = keep_occurrences
         self.occurrences: list[Occurrence] = []
         self.notes: list[tuple[str, str]] = []
@@ -346,7 +347,10 @@ class Analyzer:
                     kept = [x for x in (w if type(w) is list else (w,))
                             if x.ranges_on(seg.start, seg.end, True) != acc.ranges_on(seg.start, seg.end, True)]
                     kept.append(acc)
-                    seg.write = kept[-MAX_STRIDED_STATE:] if len(kept) > 1 else acc
+                    if len(kept) > MAX_STRIDED_STATE:
+                        h = self.vc[HOST]
+                        kept = [x for x in kept[:-1] if x.clock > h[x.agent]][-(MAX_STRIDED_STATE - 1):] + [acc]
+                    seg.write = kept if len(kept) > 1 else acc
             else:
                 seg.write = acc
                 seg.reads = None
@@ -393,8 +397,11 @@ class Analyzer:
                 elif type(rd) is dict:
                     rd[key] = acc
                     if len(rd) > MAX_STRIDED_STATE:
-                        for k in [k for k, x in rd.items() if x.clock <= t[x.agent]][:len(rd) // 2]:
+                        h = self.vc[HOST]
+                        for k in [k for k, x in rd.items() if x.clock <= h[x.agent]]:
                             del rd[k]
+                        while len(rd) > MAX_STRIDED_STATE:  # beyond the bound: forget the oldest
+                            del rd[next(iter(rd))]
                 else:
                     seg.reads = {rd.agent: rd, key: acc}
 
@@ -407,7 +414,8 @@ class Analyzer:
         return loc or f"op:{access.name}"
 
     def _race(self, prev: Access, prev_write: bool, cur: Access, cur_write: bool, seg, space: int) -> None:
-        folded = prev.mrs is not None and prev.old
+        mrs = prev.finding() if prev.old else None
+        folded = mrs is not None
         if prev.old:
             kind = ALLOC_REUSE
         elif prev.agent == HOST or cur.agent == HOST:
@@ -417,16 +425,24 @@ class Analyzer:
         if self.keep_occurrences:
             self.occurrences.append(Occurrence(kind, space, seg.start, seg.end, prev.seq, cur.seq, folded))
         if folded:
-            prev.mrs.reused = True
+            mrs.reused = True
+            return
+        last = self._last_race
+        if last is not None and last[0] is cur and last[1] is prev:
+            f = last[2]  # the same pair of ops on another fragment of the range: one occurrence
+            if f.space == space and f.hi == seg.start:
+                f.hi = seg.end
             return
         lp, lc = self._loc(prev), self._loc(cur)
         fp = fingerprint(kind, lp, lc)
         f = self.findings.get(fp)
         if f is not None:
             f.count += 1
+            self._last_race = (cur, prev, f)
             return
-        self.findings[fp] = Finding(kind, fp, prev, cur, prev_write, cur_write, space, seg.start, seg.end,
+        f = self.findings[fp] = Finding(kind, fp, prev, cur, prev_write, cur_write, space, seg.start, seg.end,
                                     seg.block, prev.block if prev.old else None, lp, lc)
+        self._last_race = (cur, prev, f)
 
     # ------------------------------------------------------------------ allocator
     def _alloc(self, ev) -> None:
@@ -463,7 +479,9 @@ class Analyzer:
         for seg in sh.cover(start, end):
             ob = seg.block
             if ob is not None and not ob.freed:
-                self._note((E.NOTE, "warning", "an allocation overlapped live memory (a free was not seen)"))
+                # Pinned frees are not observable: a new pinned block over a live one ends the old life.
+                if space != PINNED:
+                    self._note((E.NOTE, "warning", "an allocation overlapped live memory (a free was not seen)"))
                 self.allocator.release(ob, lambda x: False)
             drop_streams = space == PINNED
             recorded = ob.recorded if ob is not None else ()
@@ -539,7 +557,7 @@ class Analyzer:
     def _record_stream(self, ev) -> None:
         _, space, start, agent, _stack = ev
         blk = self._block_at(space, start)
-        if blk is not None:
+        if blk is not None and agent != blk.owner:  # the allocator ignores uses on the allocation stream
             blk.recorded.add(agent)
 
     def _label(self, ev) -> None:

@@ -15,7 +15,7 @@ def _dims(start: int, layout) -> tuple[int, list[tuple[int, int]]]:
     """Byte-level dimensions (size, byte stride) of a view, size-1 dims dropped, largest stride first,
     with the innermost run of contiguous bytes folded into a final stride-1 dimension."""
     itemsize, sizes, strides = layout
-    dims = [(n, s * itemsize) for n, s in zip(sizes, strides) if n != 1]
+    dims = [(n, s * itemsize) for n, s in zip(sizes, strides) if n == 0 or (n != 1 and s != 0)]  # stride 0 repeats
     dims.append((itemsize, 1))
     dims.sort(key=lambda d: -d[1])
     folded: list[tuple[int, int]] = []

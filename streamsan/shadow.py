@@ -18,12 +18,12 @@ class Access:
 
     ``agent`` / ``clock``: the epoch. ``seq``: index of the event in the trace. ``name``: op name.
     ``stack`` / ``ctx``: ids into the analyzer's stack and context tables. ``old``: the access belongs to an
-    earlier life of the memory it is recorded on. ``mrs``: the missing-record-stream finding it was reported
-    in, if any. ``ranges``: the op's (reads, writes) ranges, to confirm strided conflicts.
+    earlier life of the memory it is recorded on (``origin`` is then the access it copies). ``mrs``: the
+    missing-record-stream finding it was reported in, if any (read it through :meth:`finding`). ``ranges``: the op's (reads, writes) ranges, to confirm strided conflicts.
     """
 
     __slots__ = ("agent", "clock", "seq", "name", "stack", "ctx", "old", "mrs", "reads", "writes", "strided",
-                 "block")
+                 "block", "origin")
 
     def __init__(self, agent, clock, seq, name, stack, ctx, reads, writes, strided=False):
         self.agent = agent
@@ -38,15 +38,20 @@ class Access:
         self.writes = writes
         self.strided = strided
         self.block = None
+        self.origin = None
 
     def as_old(self, block) -> "Access":
         """A copy marking this access as made in ``block``, an earlier life of the memory it is kept on."""
         a = Access(self.agent, self.clock, self.seq, self.name, self.stack, self.ctx, self.reads, self.writes,
                    self.strided)
         a.old = True
-        a.mrs = self.mrs
         a.block = block
+        a.origin = self.origin or self
         return a
+
+    def finding(self):
+        """The missing-record-stream finding this access (or the access it copies) was reported in."""
+        return (self.origin or self).mrs
 
     def ranges_on(self, lo: int, hi: int, write: bool):
         """This access's ranges of the given type that intersect [lo, hi)."""

@@ -57,10 +57,10 @@ def missing_edge(kind: str, prev: dict, cur: dict, allocation: dict) -> str:
     return f"{_what(cur)} on {ca} is not ordered after {_what(prev)} on {pa}: nothing makes {ca} wait for {pa}."
 
 
-def fix(kind: str, prev: dict, cur: dict, memory: dict) -> str:
+def fix(kind: str, prev: dict, cur: dict, memory: dict, allocation: dict) -> str:
     """A concrete change, with code, that adds the missing edge."""
     p, c = stream_code(prev["agent"]), stream_code(cur["agent"])
-    tensor = memory.get("label") or "tensor"
+    tensor = (allocation.get("previous_life") or {}).get("label") or memory.get("label") or "tensor"
     if kind == MISSING_RECORD_STREAM:
         return (f"Call `{tensor}.record_stream({p})` after the use at {prev['location']}, or "
                 f"`{c}.wait_stream({p})` before the tensor is freed (at the latest before the allocation at "

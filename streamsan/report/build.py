@@ -100,7 +100,7 @@ def race_item(analyzer, f) -> dict:
         "previous_access": prev,
         "allocation": allocation,
         "missing_edge": advice.missing_edge(f.kind, prev, cur, allocation),
-        "fix": advice.fix(f.kind, prev, cur, memory),
+        "fix": advice.fix(f.kind, prev, cur, memory, allocation),
     }
 
 

@@ -39,10 +39,15 @@ def load_report(path: str) -> dict:
     return data
 
 
-def check_writable(path: str) -> None:
-    """Fail early, before a long run, if a report could not be written at ``path``."""
+def check_writable(path: str, directory_ok: bool = False) -> None:
+    """Fail early, before a long run, if an output file (or, ``directory_ok``, a directory of files) could not
+    be written at ``path``."""
     if os.path.isdir(path):
-        raise ReportError(f"cannot write {path}: is a directory")
+        if not directory_ok:
+            raise ReportError(f"cannot write {path}: is a directory")
+        if not os.access(path, os.W_OK):
+            raise ReportError(f"cannot write into {path}: permission denied")
+        return
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ReportError(f"cannot write {path}: directory {parent} does not exist")

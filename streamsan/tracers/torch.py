@@ -428,10 +428,19 @@ class TorchTracer:
 
     def _dispatch(self, func, args, kwargs):
         plan = self.plans.get(func) or self._plan(func)
+        if kwargs and kwargs.get("pin_memory"):
+            return self._dispatch_pinning(func, plan, args, kwargs)
         if plan.skip:
             if plan.name == "aten::record_stream":
                 self._record_stream(args)
-            return func(*args, **kwargs)
+            if not plan.fresh_outputs:
+                return func(*args, **kwargs)
+            evs = self.buffer.events
+            mark = len(evs)
+            out = func(*args, **kwargs)
+            if len(evs) > mark:  # an allocating op that touches no data (empty, empty_like, ...)
+                self._fill_alloc_sizes(evs, mark, out)
+            return out
         if plan.pinning or (plan.is_copy and _maybe_pinned_output(plan, args, kwargs)):
             return self._dispatch_pinning(func, plan, args, kwargs)
         if plan.is_copy:
@@ -453,8 +462,6 @@ class TorchTracer:
                         continue
                     if t.is_cuda:
                         dev = t.get_device()
-                    elif t.is_cpu:
-                        cpu = t
                     r = rng(t)
                     if r is not None:
                         (writes if is_write else reads).append(r)
@@ -470,27 +477,38 @@ class TorchTracer:
             r = rng(v)
             if r is not None:
                 (writes if is_write else reads).append(r)
-        if dev < 0:
+        if dev < 0 and not plan.fresh_outputs:
             if not reads and not writes:
                 return func(*args, **kwargs)
             return self._host_op(func, plan, args, kwargs, reads, writes)
-        self.saw_cuda = True
-        a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
         evs = self.buffer.events
-        stack = self.stacks.capture(evs, 2)
         ctx = self.ctx
-        flags = 0
-        if plan.is_copy and cpu is not None:
-            flags = self._copy_flags(cpu, cpu_written, args, kwargs)
         outer = self.op_agent
-        self.op_agent = (dev, a, stack, ctx)
+        if dev >= 0:
+            a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
+            stack = self.stacks.capture(evs, 2)
+            self.op_agent = (dev, a, stack, ctx)
         mark = len(evs)
         try:
             out = func(*args, **kwargs)
         finally:
             self.op_agent = outer
         if plan.fresh_outputs:
+            if dev < 0:
+                dev = _cuda_device_of(out)
+                if dev < 0:  # a CPU op with CPU outputs
+                    if not reads and not writes:
+                        return out
+                    evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), self.stacks.capture(evs, 2),
+                                ctx, 0))
+                    return out
+                a = self.agent(dev, _cuda_raw_stream(dev))  # e.g. an H2D copy or a factory with device=cuda
+                stack = self.stacks.capture(evs, 2)
             self._outputs(out, writes)
+        self.saw_cuda = True
+        flags = 0
+        if plan.is_copy and cpu is not None:
+            flags = self._copy_flags(cpu, cpu_written, args, kwargs)
         evs = self.buffer.events
         op = (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
         if len(evs) > mark:
@@ -525,18 +543,32 @@ class TorchTracer:
                     if r is not None:
                         writes.append(r)
 
-    def _place(self, evs, mark, op, out, pre=()) -> None:
-        """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the op,
-        then everything else (a blocking copy's synchronization, the pinned allocator's event record)."""
-        inner = evs[mark:]
-        del evs[mark:]
-        evs.extend(pre)
+    @staticmethod
+    def _output_blocks(out) -> dict:
+        """storage pointer -> (bytes, description) of an op's CUDA outputs."""
         sizes = {}
         if out is not None:
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     st = t.untyped_storage()
                     sizes[st.data_ptr()] = (st.nbytes(), describe(t))
+        return sizes
+
+    def _fill_alloc_sizes(self, evs, mark, out) -> None:
+        sizes = self._output_blocks(out)
+        for i in range(mark, len(evs)):
+            ev = evs[i]
+            if ev[0] == E.ALLOC and ev[3] == 0 and ev[2] in sizes:
+                size, what = sizes[ev[2]]
+                evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5], ev[6], what)
+
+    def _place(self, evs, mark, op, out, pre=()) -> None:
+        """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the op,
+        then everything else (a blocking copy's synchronization, the pinned allocator's event record)."""
+        inner = evs[mark:]
+        del evs[mark:]
+        evs.extend(pre)
+        sizes = self._output_blocks(out)
         after = []
         for ev in inner:
             if ev[0] == E.ALLOC:
@@ -590,10 +622,13 @@ class TorchTracer:
                 ev = self._register_pinned(t)
                 if ev is not None:
                     pre.append(ev)
+        evs = self.buffer.events
+        if plan.skip:  # empty(..., pin_memory=True): a new block, no access
+            evs.extend(pre)
+            return out
         reads, writes = self._args_ranges(plan, args, kwargs)
         self._outputs(out, writes)
         op = (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0)
-        evs = self.buffer.events
         self._place(evs, mark, op, out, pre)
         return out
 
@@ -630,8 +665,21 @@ def _maybe_pinned_output(plan, args, kwargs) -> bool:
 def _stream_key(stream) -> tuple[int, int]:
     """(device index, raw cudaStream_t) of a torch.cuda.Stream or torch.Stream."""
     handle = getattr(stream, "cuda_stream", None)
+    if handle is None:
+        handle = getattr(stream, "native_handle", None)
     dev = stream.device_index if hasattr(stream, "device_index") else stream.device.index
     if handle is None:
         cs = torch.cuda.Stream(stream_id=stream.stream_id, device_index=dev, device_type=stream.device_type)
         handle = cs.cuda_stream
-    return dev, handle
+    return dev, int(handle)
+
+
+def _cuda_device_of(out) -> int:
+    """The device of an op's first CUDA output tensor, or -1."""
+    if isinstance(out, torch.Tensor):
+        return out.get_device() if out.is_cuda else -1
+    if isinstance(out, (tuple, list)):
+        for t in out:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                return t.get_device()
+    return -1

@@ -1,0 +1,56 @@
+"""A short human summary of a report, for a terminal: totals, then one paragraph per finding."""
+
+from __future__ import annotations
+
+from .advice import agent_text
+
+
+def memory_text(m: dict) -> str:
+    """``pinned-host memory 0x1000-0x2000 (4096 bytes, cache.layers[3].keys, bfloat16[1, 8])``."""
+    where = "pinned-host memory" if m["space"] == "pinned-host" else f"device memory (cuda:{m['device']})"
+    extra = ", ".join(x for x in (m.get("label"), m.get("what")) if x)
+    return f"{where} {m['start']}-{m['end']} ({m['bytes']} bytes{', ' + extra if extra else ''})"
+
+
+def action(a: dict) -> str:
+    """``write aten::copy_``, or ``allocation`` for the allocation of a missing-record-stream finding."""
+    return "allocation" if a["op"] == "allocation" else f"{a['type']} {a['op']}"
+
+
+def access_text(a: dict) -> str:
+    """``write aten::copy_ on prefetch_stream (0x7f00) at run.py:12``."""
+    agent = a["agent"]
+    handle = f" ({agent['stream']})" if agent["kind"] == "stream" and agent.get("role") else ""
+    ctx = f"  [{a['context']}]" if a.get("context") else ""
+    return f"{action(a)} on {agent_text(agent)}{handle} at {a['location']}{ctx}"
+
+
+def totals_text(report: dict) -> str:
+    s = report["summary"]
+    scope = f"{s['events']} events, {s['ops']} stream ops, {s['streams']} streams"
+    if s.get("processes", 0) > 1:
+        scope += f", {s['processes']} processes"
+    if not s["races"]:
+        return f"streamsan: no races found ({scope})."
+    kinds = ", ".join(f"{n} {k}" for k, n in s["by_kind"].items() if n)
+    plural = "race" if s["races"] == 1 else "races"
+    return f"streamsan: {s['races']} {plural} found, {s['occurrences']} occurrences ({kinds}; {scope})."
+
+
+def render_text(report: dict) -> str:
+    """The summary as text ending in a newline."""
+    lines = [totals_text(report)]
+    if not report.get("complete", True):
+        problems = report.get("problems") or ["events may be missing"]
+        lines += [f"streamsan: warning: the report is incomplete: {p}" for p in problems]
+    for n in report.get("notes", []):
+        lines.append(f"streamsan: {n['level']}: {n['text']}")
+    for i, r in enumerate(report["races"], 1):
+        lines += [
+            "",
+            f"[{i}] {r['kind']} x{r['count']} on {memory_text(r['memory'])}",
+            f"    earlier: {access_text(r['previous_access'])}",
+            f"    later:   {access_text(r['access'])}",
+            f"    fix: {r['fix']}",
+        ]
+    return "\n".join(lines) + "\n"

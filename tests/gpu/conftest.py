@@ -1,0 +1,41 @@
+"""GPU tests: skipped without CUDA. ``STREAMSAN_RECORD_DIR=dir`` also records each scenario's trace there
+(the CPU replay fixtures under tests/fixtures/gpu/ come from such a run)."""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+
+def summarize(session):
+    """(kind, previous role, previous op, current role, current op) of each finding, in order."""
+    a = session.analyzer
+    out = []
+    for f in session.findings:
+        out.append((f.kind, a.agents[f.previous.agent].name, f.previous.name, a.agents[f.current.agent].name,
+                    f.current.name))
+    return out
+
+
+@pytest.fixture
+def san(request):
+    """Run a scenario under streamsan.watch(); returns (session, summary)."""
+    import streamsan
+
+    def run(fn, *args):
+        trace = None
+        d = os.environ.get("STREAMSAN_RECORD_DIR")
+        if d:
+            os.makedirs(d, exist_ok=True)
+            trace = os.path.join(d, request.node.name.replace("[", "-").replace("]", "") + ".sstrace")
+        torch.cuda.synchronize()
+        with streamsan.watch(trace=trace) as s:
+            fn(*args)
+        torch.cuda.synchronize()
+        return s, summarize(s)
+
+    return run
