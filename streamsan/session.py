@@ -22,7 +22,9 @@ import threading
 from . import events as E
 from .analyzer import Analyzer
 from .imports import when_imported
+from .agents import StreamRegistry
 from .sink import EventBuffer
+from .stacks import StackTable
 
 log = logging.getLogger("streamsan")
 
@@ -48,6 +50,8 @@ class Session:
         if self.analyzer is not None:
             consumers.append(self._feed)
         self.buffer = EventBuffer(consumers)
+        self.streams = StreamRegistry(self.buffer)
+        self.stacks = StackTable()
         self.tracers: dict[str, object] = {}
         self.active = False
         self.problems: list[str] = []
@@ -84,7 +88,7 @@ class Session:
             return
         from .tracers.torch import TorchTracer
 
-        tracer = TorchTracer(self.buffer, scope=self.scope)
+        tracer = TorchTracer(self.buffer, self.streams, self.stacks, scope=self.scope)
         self.tracers["torch"] = tracer
         tracer.start()
 

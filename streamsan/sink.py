@@ -22,6 +22,7 @@ class EventBuffer:
         self.total = 0
         self._lock = threading.Lock()
         self._ctx_ids: dict[str, int] = {}
+        self._ctx_texts: dict[int, str] = {}
 
     def flush(self) -> None:
         with self._lock:
@@ -33,10 +34,14 @@ class EventBuffer:
             for consume in self.consumers:
                 consume(evs)
 
+    def context_text(self, cid: int) -> str:
+        return self._ctx_texts.get(cid, "")
+
     def context_id(self, text: str) -> int:
         """The id of a context text, defining it on first use."""
         cid = self._ctx_ids.get(text)
         if cid is None:
             cid = self._ctx_ids[text] = len(self._ctx_ids) + 1
+            self._ctx_texts[cid] = text
             self.events.append((E.DEF_CONTEXT, cid, text))
         return cid

@@ -24,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import events as E
+from ..agents import StreamRegistry
 from ..stacks import StackTable
 
 _cuda_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -146,17 +147,17 @@ class _GpuTrace:
 class TorchTracer:
     """Feeds events about the torch program into ``buffer`` (a :class:`streamsan.sink.EventBuffer`).
 
-    ``scope="full"`` traces every op from :meth:`start`; ``scope="hooks"`` traces ops only inside
+    ``streams`` / ``stacks``: the session's shared stream registry and stack table. ``scope="full"`` traces every op from :meth:`start`; ``scope="hooks"`` traces ops only inside
     :meth:`scoped` regions (entered by library hooks) while still seeing every sync and allocation.
     """
 
-    def __init__(self, buffer, scope: str = "full"):
+    def __init__(self, buffer, streams=None, stacks=None, scope: str = "full"):
         self.buffer = buffer
         self.scope = scope
-        self.stacks = StackTable()
+        self.streams = streams if streams is not None else StreamRegistry(buffer)
+        self.agent_of = self.streams.agent_of
+        self.stacks = stacks if stacks is not None else StackTable()
         self.plans: dict = {}
-        self.agent_of: dict[tuple[int, int], int] = {}
-        self.agent_by_handle: dict[int, int] = {}
         self.live_device: dict[int, int] = {}
         self.pinned: dict[int, int] = {}  # base pointer -> bytes of pinned host blocks seen
         self.ctx = 0
@@ -166,7 +167,6 @@ class TorchTracer:
         self._modes: list = []
         self._scope_depth = threading.local()
         self._patched: list = []
-        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -210,46 +210,15 @@ class TorchTracer:
 
     # ------------------------------------------------------------------ agents
     def agent(self, device: int, handle: int) -> int:
-        key = (device, handle)
-        a = self.agent_of.get(key)
-        if a is None:
-            a = self._declare(device, handle)
-        return a
-
-    def _declare(self, device: int, handle: int, name: str = "") -> int:
-        with self._lock:
-            key = (device, handle)
-            a = self.agent_of.get(key)
-            if a is not None:
-                return a
-            a = len(self.agent_of) + 1
-            self.agent_of[key] = a
-            if handle != 0:
-                self.agent_by_handle[handle] = a
-            flags = 0
-            if handle == 0:
-                flags = E.LEGACY_DEFAULT
-                name = name or "default"
-            elif handle == 2:
-                flags = E.BLOCKING  # cudaStreamPerThread
-                name = name or "per-thread default"
-            self.buffer.events.append((E.STREAM, a, device, handle, flags, name))
-            return a
+        return self.streams.agent(device, handle)
 
     def name_stream(self, stream, name: str) -> None:
         """Give a stream (torch.cuda.Stream / torch.Stream) a role name for reports."""
         device, handle = _stream_key(stream)
-        a = self.agent(device, handle)
-        flags = E.LEGACY_DEFAULT if handle == 0 else 0
-        self.buffer.events.append((E.STREAM, a, device, handle, flags, name))
+        self.streams.name(device, handle, name)
 
     def _agent_for_handle(self, handle: int) -> int:
-        if handle != 0:
-            a = self.agent_by_handle.get(handle)
-            if a is not None:
-                return a
-        dev = _cuda_get_device()
-        return self.agent(dev, handle)
+        return self.streams.for_handle(handle, _cuda_get_device)
 
     # ------------------------------------------------------------------ labels and context
     def label(self, tensor, text: str) -> None:
