@@ -3,6 +3,7 @@
     python examples/transformers_offloaded_cache.py --model qwen3          # dense Qwen3, random weights
     python examples/transformers_offloaded_cache.py --model qwen3_next     # hybrid: Gated DeltaNet + attention
     python examples/transformers_offloaded_cache.py --fixed                # the cache with both edges added
+    python examples/transformers_offloaded_cache.py --stress 200           # GPU busy: the race corrupts logits
 
 Run it under ``streamsan wrap -- python examples/transformers_offloaded_cache.py``: with the GPU idle the outputs
 match, and streamsan still reports the two hazards (D2H -> H2D on pinned memory, missing record_stream).
@@ -20,6 +21,7 @@ p.add_argument("--layers", type=int, default=4)
 p.add_argument("--seq", type=int, default=256, help="prompt length")
 p.add_argument("--steps", type=int, default=3, help="decode steps after the prefill")
 p.add_argument("--fixed", action="store_true", help="add the two missing edges to the cache")
+p.add_argument("--stress", type=float, default=0, help="ms of GPU sleep on the default stream before the prefill")
 args = p.parse_args()
 
 
@@ -70,22 +72,29 @@ def add_missing_edges():
 
 
 @torch.no_grad()
-def decode(model, ids, offloading):
+def decode(model, ids, offloading, tokens=None):
+    """Greedy decode; ``tokens`` feeds given tokens instead, so two runs see the same inputs."""
     cache = DynamicCache(config=model.config, offloading=offloading)
+    if args.stress:
+        torch.cuda._sleep(int(args.stress * 2e6))  # about 2e6 cycles per ms on an H200
     out = model(ids, past_key_values=cache, use_cache=True)
     logits = [out.logits[:, -1].float()]
-    for _ in range(args.steps):
-        tok = logits[-1].argmax(-1, keepdim=True)
+    fed = []
+    for step in range(args.steps):
+        tok = tokens[step] if tokens is not None else logits[-1].argmax(-1, keepdim=True)
+        fed.append(tok)
         out = model(tok, past_key_values=cache, use_cache=True)
         logits.append(out.logits[:, -1].float())
     torch.cuda.synchronize()
-    return torch.stack(logits)
+    return torch.stack(logits), fed
 
 
 if args.fixed:
     add_missing_edges()
 model = build_model()
 ids = torch.randint(0, model.config.vocab_size, (1, args.seq), device="cuda")
-plain = decode(model, ids, offloading=False)
-offloaded = decode(model, ids, offloading=True)
-print(f"{args.model}: max |logits(offloaded) - logits(resident)| = {(plain - offloaded).abs().max().item():.4g}")
+plain, tokens = decode(model, ids, offloading=False)
+offloaded, _ = decode(model, ids, offloading=True, tokens=tokens)
+diff = (plain - offloaded).abs().max().item()
+same = bool((plain.argmax(-1) == offloaded.argmax(-1)).all())
+print(f"{args.model}: max |logits(offloaded) - logits(resident)| = {diff:.4g}, argmax match: {same}")

@@ -1,0 +1,44 @@
+"""The torch tracer's read/write sets per op schema (CPU: only the schemas are needed)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from streamsan.tracers.torch import OpPlan  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def shape(op):
+    p = OpPlan(op)
+    return {"reads": [n for _, n, w, _ in p.tensor_args if not w], "writes": [n for _, n, w, _ in p.tensor_args if w],
+            "fresh": p.fresh_outputs, "skip": p.skip}
+
+
+@pytest.mark.parametrize("op, expected", [
+    (aten.add.Tensor, {"reads": ["self", "other"], "writes": [], "fresh": True, "skip": False}),
+    (aten.add_.Tensor, {"reads": ["other"], "writes": ["self"], "fresh": False, "skip": False}),
+    (aten.add.out, {"reads": ["self", "other"], "writes": ["out"], "fresh": False, "skip": False}),
+    (aten.cat.default, {"reads": ["tensors"], "writes": [], "fresh": True, "skip": False}),
+    (aten.copy_.default, {"reads": ["src"], "writes": ["self"], "fresh": False, "skip": False}),
+    (aten._to_copy.default, {"reads": ["self"], "writes": [], "fresh": True, "skip": False}),
+    (aten.index_put_.default, {"reads": ["indices", "values"], "writes": ["self"], "fresh": False, "skip": False}),
+    (aten.fill_.Scalar, {"reads": [], "writes": ["self"], "fresh": False, "skip": False}),
+    (aten.view.default, {"reads": [], "writes": [], "fresh": False, "skip": True}),
+    (aten.slice.Tensor, {"reads": [], "writes": [], "fresh": False, "skip": True}),
+    (aten.transpose_.default, {"reads": [], "writes": [], "fresh": False, "skip": True}),
+    (aten.zeros_like.default, {"reads": [], "writes": [], "fresh": True, "skip": False}),
+    (aten.empty.memory_format, {"reads": [], "writes": [], "fresh": True, "skip": True}),
+    (aten.record_stream.default, {"reads": [], "writes": ["self"], "fresh": False, "skip": True}),
+    (aten._local_scalar_dense.default, {"reads": ["self"], "writes": [], "fresh": False, "skip": False}),
+    (aten._foreach_add_.List, {"reads": ["other"], "writes": ["self"], "fresh": False, "skip": False}),
+    (aten.max.dim, {"reads": ["self"], "writes": [], "fresh": True, "skip": False}),
+    (aten.split.Tensor, {"reads": [], "writes": [], "fresh": False, "skip": True}),
+])
+def test_plan(op, expected):
+    assert shape(op) == expected
+
+
+def test_list_arguments_are_marked():
+    p = OpPlan(aten.cat.default)
+    assert [(n, is_list) for _, n, _, is_list in p.tensor_args] == [("tensors", True)]
