@@ -12,6 +12,9 @@ from __future__ import annotations
 from .events import HOST, PINNED
 
 
+_NO_STREAMS: frozenset = frozenset()
+
+
 class Block:
     """One life of an allocation: [start, start + size) in a space, owned by an agent (a stream, or the host
     for pinned memory)."""
@@ -25,8 +28,8 @@ class Block:
         self.size = size
         self.owner = owner
         self.serial = serial
-        self.recorded: set[int] = set()
-        self.foreign: dict[int, object] = {}  # stream agent -> its last Access to this block
+        self.recorded: set[int] = _NO_STREAMS  # streams named by record_stream (a new set once one is added)
+        self.foreign: dict[int, object] | None = None  # stream agent -> its last Access to this block
         self.freed = False
         self.stack = stack
         self.ctx = ctx
@@ -69,11 +72,11 @@ class AllocatorModel:
         if d is not None and d.get(block.start) is block:
             del d[block.start]
         if block.space == PINNED or not block.foreign:
-            block.foreign = {}
+            block.foreign = None
             return
         recorded = block.recorded
         pend = [a for g, a in block.foreign.items() if g not in recorded and unordered(a)]
-        block.foreign = {}
+        block.foreign = None
         if pend:
             self.pending.setdefault(block.owner, []).append((block, pend))
 

@@ -75,6 +75,19 @@ def _conflict(prev: Access, prev_write: bool, cur_range, lo: int, hi: int) -> bo
     return False
 
 
+def _never(_access) -> bool:
+    return False
+
+
+def _survives(x: Access, h: list, old_block, space: int) -> bool:
+    """Whether an access of an earlier life stays in the shadow when its memory is allocated again."""
+    if x.clock <= h[x.agent]:
+        return False
+    if x.agent != HOST and (space == PINNED or (old_block is not None and x.agent in old_block.recorded)):
+        return False
+    return True
+
+
 class Analyzer:
     """Consumes events (:meth:`feed`) and collects deduplicated :attr:`findings`."""
 
@@ -280,13 +293,21 @@ class Analyzer:
             t = vc[HOST]
             self.counts["host_accesses"] += 1
         else:
-            if a >= len(vc) or a not in self.agents:
+            try:
+                joined = self.joined_gen[a]
+            except IndexError:
                 self._ensure_agent(a)
-            t = self._enqueue(a)
+                joined = self.joined_gen[a]
+            if joined != self.host_gen:
+                _join(vc[a], vc[HOST])
+                self.joined_gen[a] = self.host_gen
+                self.host_published = True
+            if self.implicit[a]:
+                self._enqueue(a)
+            t = vc[a]
             self.counts["ops"] += 1
-        if reads or writes:
-            strided = any(len(r) > 3 for r in reads) or any(len(r) > 3 for r in writes)
-            acc = Access(a, t[a], self.seq, name, stack, ctx, reads, writes, strided)
+        if writes or reads:
+            acc = Access(a, t[a], self.seq, name, stack, ctx, reads, writes)
             for r in writes:
                 if r[2] > 0:
                     self._write(r, acc, t)
@@ -306,13 +327,21 @@ class Analyzer:
     def _write(self, r, acc: Access, t: list) -> None:
         """A write races with the last write and every read since that are not ordered before it."""
         a = acc.agent
-        sh = self.shadow.get(r[0]) or self._space(r[0])
+        sh = self.shadow.get(r[0])
+        if sh is None:
+            sh = self._space(r[0])
         lo = r[1]
-        segs = sh.cover(lo, lo + r[2])
+        hi = lo + r[2]
+        seg = sh.ranges.get(lo)
+        segs = (seg,) if seg is not None and seg.end == hi else sh.cover(lo, hi)
         strided = len(r) > 3
+        if strided:
+            acc.strided = True
         for seg in segs:
             blk = seg.block
             if blk is not None and a != blk.owner and a != HOST:
+                if blk.foreign is None:
+                    blk.foreign = {}
                 blk.foreign[a] = acc
             raced = False
             w = seg.write
@@ -362,12 +391,21 @@ class Analyzer:
     def _read(self, r, acc: Access, t: list) -> None:
         """A read races with the last write if that write is not ordered before it."""
         a = acc.agent
-        sh = self.shadow.get(r[0]) or self._space(r[0])
+        sh = self.shadow.get(r[0])
+        if sh is None:
+            sh = self._space(r[0])
         lo = r[1]
+        hi = lo + r[2]
+        seg = sh.ranges.get(lo)
+        segs = (seg,) if seg is not None and seg.end == hi else sh.cover(lo, hi)
         strided = len(r) > 3
-        for seg in sh.cover(lo, lo + r[2]):
+        if strided:
+            acc.strided = True
+        for seg in segs:
             blk = seg.block
             if blk is not None and a != blk.owner and a != HOST:
+                if blk.foreign is None:
+                    blk.foreign = {}
                 blk.foreign[a] = acc
             w = seg.write
             if w is not None:
@@ -414,17 +452,18 @@ class Analyzer:
         return loc or f"op:{access.name}"
 
     def _race(self, prev: Access, prev_write: bool, cur: Access, cur_write: bool, seg, space: int) -> None:
-        mrs = prev.finding() if prev.old else None
-        folded = mrs is not None
-        if prev.old:
+        blk = seg.block
+        old = blk is not None and prev.seq < blk.seq  # prev was made in an earlier life of this memory
+        mrs = prev.mrs if old else None
+        if old:
             kind = ALLOC_REUSE
         elif prev.agent == HOST or cur.agent == HOST:
             kind = HOST_DEVICE
         else:
             kind = DEVICE_DEVICE
         if self.keep_occurrences:
-            self.occurrences.append(Occurrence(kind, space, seg.start, seg.end, prev.seq, cur.seq, folded))
-        if folded:
+            self.occurrences.append(Occurrence(kind, space, seg.start, seg.end, prev.seq, cur.seq, mrs is not None))
+        if mrs is not None:
             mrs.reused = True
             return
         last = self._last_race
@@ -441,82 +480,76 @@ class Analyzer:
             self._last_race = (cur, prev, f)
             return
         f = self.findings[fp] = Finding(kind, fp, prev, cur, prev_write, cur_write, space, seg.start, seg.end,
-                                    seg.block, prev.block if prev.old else None, lp, lc)
+                                        blk, seg.prev_block if old else None, lp, lc)
         self._last_race = (cur, prev, f)
 
     # ------------------------------------------------------------------ allocator
     def _alloc(self, ev) -> None:
         _, space, start, size, owner, stack, ctx, what = ev
         self.counts["allocs"] += 1
-        if owner != HOST:
+        if owner != HOST and owner not in self.agents:
             self._ensure_agent(owner)
-        vc = self.vc
-        h = vc[HOST]
         end = start + size
-        blk = self.allocator.new_block(space, start, size, owner, stack, ctx, what, self.seq)
-        cur = Access(owner, vc[owner][owner], self.seq, "allocation", stack, ctx, (), ())
-        cur.block = blk
-        pend = self.allocator.take_pending(owner)
+        alloc = self.allocator
+        blk = alloc.new_block(space, start, size, owner, stack, ctx, what, self.seq)
+        pend = alloc.pending.pop(owner, None) if alloc.pending and owner != HOST else None
         if pend:
-            own = vc[owner]
-            for old, xs in pend:
-                reused = old.space == space and old.start < end and start < old.end
-                for x in xs:
-                    if x.clock <= own[x.agent] or x.clock <= h[x.agent]:
-                        continue
-                    f = self._missing_record_stream(x, old, cur, blk if reused else None)
-                    x.mrs = f
-                    if reused:
-                        f.reused = True
+            self._check_pending(pend, blk)
         if size <= 0:
             return
-        sh = self._space(space)
-        if not sh.overlapping(start, end):
-            seg = sh.cover(start, end)[0]
-            seg.block = blk
+        sh = self.shadow.get(space)
+        if sh is None:
+            sh = self._space(space)
+        seg = sh.ranges.get(start)
+        if seg is not None and seg.end == end:
+            segs = (seg,)
+        elif sh.overlapping(start, end):
+            segs = sh.cover(start, end)
+        else:
+            sh.cover(start, end)[0].block = blk
             return
-        memo: dict[int, Access] = {}
-        for seg in sh.cover(start, end):
+        h = self.vc[HOST]
+        for seg in segs:
             ob = seg.block
             if ob is not None and not ob.freed:
                 # Pinned frees are not observable: a new pinned block over a live one ends the old life.
                 if space != PINNED:
                     self._note((E.NOTE, "warning", "an allocation overlapped live memory (a free was not seen)"))
-                self.allocator.release(ob, lambda x: False)
-            drop_streams = space == PINNED
-            recorded = ob.recorded if ob is not None else ()
-
-            def keep(x, ob=ob, recorded=recorded, drop_streams=drop_streams):
-                if x.clock <= h[x.agent]:
-                    return None
-                if x.agent != HOST and (drop_streams or x.agent in recorded):
-                    return None
-                if x.old:
-                    return x
-                y = memo.get(id(x))
-                if y is None:
-                    y = memo[id(x)] = x.as_old(ob)
-                return y
-
+                alloc.release(ob, _never)
+            seg.prev_block = ob
+            seg.block = blk
+            # The deferred-reuse edge: accesses the allocator waited for (recorded users' and, for pinned memory,
+            # every stream's), and those the host has synchronized past, are ordered before the new life.
             w = seg.write
             if w is not None:
                 if type(w) is list:
-                    kept = [y for y in map(keep, w) if y is not None]
+                    kept = [x for x in w if _survives(x, h, ob, space)]
                     seg.write = kept if len(kept) > 1 else (kept[0] if kept else None)
-                else:
-                    seg.write = keep(w)
+                elif w.clock <= h[w.agent] or not _survives(w, h, ob, space):
+                    seg.write = None
             rd = seg.reads
             if rd is not None:
                 if type(rd) is dict:
-                    nd = {}
-                    for k, x in rd.items():
-                        y = keep(x)
-                        if y is not None:
-                            nd[k] = y
+                    nd = {k: x for k, x in rd.items() if _survives(x, h, ob, space)}
                     seg.reads = nd or None
-                else:
-                    seg.reads = keep(rd)
-            seg.block = blk
+                elif rd.clock <= h[rd.agent] or not _survives(rd, h, ob, space):
+                    seg.reads = None
+
+    def _check_pending(self, pend, blk: Block) -> None:
+        """Missing record_stream: the owner's allocator may hand these freed blocks to ``blk``'s allocation."""
+        owner = blk.owner
+        own = self.vc[owner]
+        h = self.vc[HOST]
+        cur = Access(owner, own[owner], self.seq, "allocation", blk.stack, blk.ctx, (), ())
+        for old, xs in pend:
+            reused = old.space == blk.space and old.start < blk.end and blk.start < old.end
+            for x in xs:
+                if x.clock <= own[x.agent] or x.clock <= h[x.agent]:
+                    continue
+                f = self._missing_record_stream(x, old, cur, blk if reused else None)
+                x.mrs = f
+                if reused:
+                    f.reused = True
 
     def _missing_record_stream(self, x: Access, old: Block, cur: Access, new_block) -> Finding:
         if self.keep_occurrences:
@@ -535,13 +568,17 @@ class Analyzer:
         return f
 
     def _free(self, ev) -> None:
-        _, space, start, _stack = ev
         self.counts["frees"] += 1
-        blk = self.allocator.live_block(space, start)
+        live = self.allocator.live.get(ev[1])
+        blk = live.get(ev[2]) if live is not None else None
         if blk is None:
             return
+        if not blk.foreign:
+            blk.freed = True
+            del live[ev[2]]
+            return
         vc = self.vc
-        own = vc[blk.owner] if blk.owner < len(vc) else vc[HOST]
+        own = vc[blk.owner]
         h = vc[HOST]
         self.allocator.release(blk, lambda x: x.clock > own[x.agent] and x.clock > h[x.agent])
 
@@ -558,7 +595,7 @@ class Analyzer:
         _, space, start, agent, _stack = ev
         blk = self._block_at(space, start)
         if blk is not None and agent != blk.owner:  # the allocator ignores uses on the allocation stream
-            blk.recorded.add(agent)
+            blk.recorded = blk.recorded | {agent}
 
     def _label(self, ev) -> None:
         _, space, start, _size, text = ev

@@ -16,14 +16,14 @@ from bisect import bisect_right, insort
 class Access:
     """An operation's access epoch and enough context to explain it later.
 
-    ``agent`` / ``clock``: the epoch. ``seq``: index of the event in the trace. ``name``: op name.
-    ``stack`` / ``ctx``: ids into the analyzer's stack and context tables. ``old``: the access belongs to an
-    earlier life of the memory it is recorded on (``origin`` is then the access it copies). ``mrs``: the
-    missing-record-stream finding it was reported in, if any (read it through :meth:`finding`). ``ranges``: the op's (reads, writes) ranges, to confirm strided conflicts.
+    ``agent`` / ``clock``: the epoch. ``seq``: index of the event in the trace (an access whose seq is below
+    the ``seq`` of the block now covering its memory belongs to an earlier life of that memory). ``name``: op
+    name. ``stack`` / ``ctx``: ids into the analyzer's stack and context tables. ``reads`` / ``writes``: the
+    op's ranges, to confirm strided conflicts; ``strided``: one of them has a layout. ``mrs``: the
+    missing-record-stream finding this access was reported in, if any.
     """
 
-    __slots__ = ("agent", "clock", "seq", "name", "stack", "ctx", "old", "mrs", "reads", "writes", "strided",
-                 "block", "origin")
+    __slots__ = ("agent", "clock", "seq", "name", "stack", "ctx", "mrs", "reads", "writes", "strided")
 
     def __init__(self, agent, clock, seq, name, stack, ctx, reads, writes, strided=False):
         self.agent = agent
@@ -32,33 +32,17 @@ class Access:
         self.name = name
         self.stack = stack
         self.ctx = ctx
-        self.old = False
         self.mrs = None
         self.reads = reads
         self.writes = writes
         self.strided = strided
-        self.block = None
-        self.origin = None
-
-    def as_old(self, block) -> "Access":
-        """A copy marking this access as made in ``block``, an earlier life of the memory it is kept on."""
-        a = Access(self.agent, self.clock, self.seq, self.name, self.stack, self.ctx, self.reads, self.writes,
-                   self.strided)
-        a.old = True
-        a.block = block
-        a.origin = self.origin or self
-        return a
-
-    def finding(self):
-        """The missing-record-stream finding this access (or the access it copies) was reported in."""
-        return (self.origin or self).mrs
 
     def ranges_on(self, lo: int, hi: int, write: bool):
         """This access's ranges of the given type that intersect [lo, hi)."""
         return [r for r in (self.writes if write else self.reads) if r[1] < hi and lo < r[1] + r[2]]
 
     def __repr__(self) -> str:
-        return f"Access({self.name}@{self.agent}:{self.clock} seq={self.seq}{' old' if self.old else ''})"
+        return f"Access({self.name}@{self.agent}:{self.clock} seq={self.seq})"
 
 
 class ShadowRange:
@@ -66,17 +50,19 @@ class ShadowRange:
 
     ``write``: None, one Access, or a list of Accesses (strided writes that did not provably overwrite each
     other). ``reads``: None, one Access (a dense read), or a dict keyed by agent (dense reads) or by
-    (agent, range) (strided reads).
+    (agent, range) (strided reads). ``block``: the allocation life now covering it; ``prev_block``: the
+    one before.
     """
 
-    __slots__ = ("start", "end", "write", "reads", "block")
+    __slots__ = ("start", "end", "write", "reads", "block", "prev_block")
 
-    def __init__(self, start, end, write=None, reads=None, block=None):
+    def __init__(self, start, end, write=None, reads=None, block=None, prev_block=None):
         self.start = start
         self.end = end
         self.write = write
         self.reads = reads
         self.block = block
+        self.prev_block = prev_block
 
     def accesses(self):
         w = self.write
@@ -113,7 +99,7 @@ class ShadowSpace:
         reads = r.reads
         if type(reads) is dict:
             reads = dict(reads)
-        right = ShadowRange(at, r.end, r.write, reads, r.block)
+        right = ShadowRange(at, r.end, r.write, reads, r.block, r.prev_block)
         r.end = at
         insort(self.starts, at)
         self.ranges[at] = right

@@ -694,7 +694,7 @@ def test_alloc_reuse_race_with_old_life():
                ALLOC_REUSE, (A, "fill_"), (C, "zero_"), BASE, BASE + 1 * KB, prev_write=True, cur_write=True)
     assert f.prev_block.what == "old" and f.prev_block.freed
     assert f.block.what == "new" and not f.block.freed
-    assert f.previous.old is True
+    assert f.previous.seq < f.block.seq  # made in the earlier life
 
 
 def test_alloc_reuse_finding_names_both_lives_labels():

@@ -185,14 +185,12 @@ def test_cover_property(calls):
 # ------------------------------------------------------------------ Access, ShadowRange
 
 
-def test_access_as_old_copies_and_marks():
-    a = acc(2, 7, 33, "copy_", reads=((0, 0, 64),), writes=((0, 64, 64),))
-    a.mrs = "finding"
-    b = a.as_old("oldblock")
-    assert b is not a
-    assert (b.agent, b.clock, b.seq, b.name, b.reads, b.writes) == (2, 7, 33, "copy_", a.reads, a.writes)
-    assert (b.old, b.finding(), b.block) == (True, "finding", "oldblock")
-    assert (a.old, a.block) == (False, None)
+def test_split_keeps_block_and_previous_block():
+    sp = ShadowSpace()
+    (r,) = sp.cover(0, 100)
+    r.block, r.prev_block = "new", "old"
+    left, right = sp.cover(0, 40)[0], sp.cover(40, 100)[0]
+    assert (left.block, left.prev_block, right.block, right.prev_block) == ("new", "old", "new", "old")
 
 
 def test_access_ranges_on():
