@@ -14,8 +14,13 @@ import sys
 import tempfile
 
 from . import exitcodes as X
+from . import wrap
+from .replay import replay_trace
 from .report.build import version
 from .report.io import ReportError, check_writable, load_report, write_report
+from .report.merge import merge_reports
+from .report.render_markdown import render_markdown
+from .report.render_text import render_text
 from .trace import TraceError
 
 FORMATS = ("text", "markdown", "json")
@@ -31,12 +36,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def render(report: dict, fmt: str) -> str:
+    """The report in one of :data:`FORMATS`."""
     if fmt == "json":
         return json.dumps(report, indent=2) + "\n"
     if fmt == "markdown":
-        from .report.render_markdown import render_markdown
         return render_markdown(report)
-    from .report.render_text import render_text
     return render_text(report)
 
 
@@ -55,8 +59,6 @@ def _finish(report: dict, args, out) -> None:
 
 
 def cmd_replay(args) -> int:
-    from .replay import replay_trace
-    from .report.merge import merge_reports
     if args.report:
         check_writable(args.report)
     if len(args.traces) == 1:
@@ -77,7 +79,6 @@ def cmd_show(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from .report.merge import merge_reports
     check_writable(args.output)
     reports = [load_report(p) for p in args.reports]
     try:
@@ -91,7 +92,6 @@ def cmd_merge(args) -> int:
 
 
 def cmd_wrap(args) -> int:
-    from . import wrap
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         raise UsageError("wrap needs a command, e.g. 'streamsan wrap -- python train.py'")
@@ -108,8 +108,8 @@ def cmd_wrap(args) -> int:
                 kept = wrap.keep_traces(session_dir, args.trace)
             except OSError as e:
                 raise ReportError(f"cannot keep the traces in {args.trace}: {e.strerror or e}") from None
-            print(f"streamsan: trace{'s' if len(kept) != 1 else ''} kept in {', '.join(kept) or '(none)'}",
-                  file=sys.stderr)
+            print(f"streamsan: trace{'s' if len(kept) > 1 else ''} kept in {', '.join(kept)}" if kept else
+                  "streamsan: no trace to keep", file=sys.stderr)
     finally:
         shutil.rmtree(session_dir, ignore_errors=True)
     if args.fail_on_race and report["races"]:
@@ -168,7 +168,6 @@ def _parser() -> _Parser:
 
 def main(argv=None) -> int:
     """Run the command line; returns the exit code."""
-    from .wrap import CommandError
     try:
         args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
         return args.run(args)
@@ -177,7 +176,7 @@ def main(argv=None) -> int:
     except (UsageError, TraceError, ReportError) as e:
         print(f"streamsan: error: {e}", file=sys.stderr)
         return X.USAGE
-    except CommandError as e:
+    except wrap.CommandError as e:
         print(f"streamsan: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

@@ -39,8 +39,7 @@ def replay_trace(path: str, *, with_process: bool = False, name: str | None = No
                 validate_batch(batch, first)
             except TraceError as bad:
                 raise TraceError(f"{name}: invalid {bad}") from None
-            raise TraceError(f"{name}: event {analyzer.seq} cannot be analyzed ({type(e).__name__}: {e}); "
-                             f"this may be a streamsan bug") from None
+            raise TraceError(f"{name}: event {analyzer.seq} cannot be analyzed ({type(e).__name__}: {e})") from None
     analyzer.finish()
     problems = []
     if reader.problem:

@@ -110,8 +110,10 @@ def collect_report(session_dir: str, cmd: list) -> dict:
 
 def keep_traces(session_dir: str, dest: str) -> list:
     """Move the session's traces to ``dest``: a file for one trace (unless dest is a directory), else a
-    directory. Returns the new paths; raises OSError."""
+    directory (created). Returns the new paths; raises OSError."""
     paths = sorted(glob.glob(os.path.join(session_dir, "*.sstrace")))
+    if not paths:
+        return []
     if len(paths) == 1 and not os.path.isdir(dest):
         shutil.move(paths[0], dest)
         return [dest]

@@ -24,6 +24,7 @@ RACE_KINDS = ("device-device", "host-device", "alloc-reuse")
 ADDR_LIMIT = 96  # every block lies inside [0, ADDR_LIMIT) of its space
 N_EVENTS = 3  # event ids 1..N_EVENTS
 CHECK_FOLDED = True  # also check Occurrence.folded (see (f) below)
+REUSE_EDGES = "graph"  # the oracle's reading of the deferred-reuse edges (see tests/oracle.py): "graph" | "pair"
 
 
 # ---------------------------------------------------------------------------------------------- generator
@@ -143,7 +144,7 @@ def _bytes(o):
 
 def check_against_oracle(trace, Analyzer):
     note(format_trace(trace))
-    orc = Oracle(trace)
+    orc = Oracle(trace, reuse_edges=REUSE_EDGES)
     a = Analyzer(keep_occurrences=True)
     a.feed(trace)
     a.finish()
@@ -449,12 +450,12 @@ def test_generated_traces_are_valid_and_oracle_is_consistent(trace):
     # every racing pair conflicts and is unordered; a full device sync + host sync orders everything before it
     for sp, b, x, y in o.race_pairs:
         assert o.conflicts(x, y, sp, b) and not o.hb(x, y)
-    # a DEVICE_SYNC of every device before each piece of work orders every stream node before every later
-    # node (stream -> sync -> host -> enqueue), so nothing races and no foreign access is pending
+    # a DEVICE_SYNC of every device before each piece of work and each ALLOC orders every stream node before
+    # every later node (stream -> sync -> host -> enqueue), so nothing races and no foreign access is pending
     devices = sorted({ev[2] for ev in trace if ev[0] == E.STREAM})
     synced = []
     for ev in trace:
-        if ev[0] in (E.OP, E.EVENT_RECORD, E.EVENT_WAIT):
+        if ev[0] in (E.OP, E.EVENT_RECORD, E.EVENT_WAIT, E.ALLOC):
             synced += [E.device_sync(d) for d in devices]
         synced.append(ev)
     o = Oracle(synced)

@@ -17,13 +17,9 @@ COUNTERS = ("events", "ops", "host_accesses", "syncs", "allocs", "frees", "strea
 
 
 def version() -> str:
-    """This streamsan's version (the installed distribution's, else the package's ``__version__``)."""
-    from importlib.metadata import PackageNotFoundError, version as dist_version
-    try:
-        return dist_version("streamsan")
-    except PackageNotFoundError:
-        import streamsan
-        return getattr(streamsan, "__version__", "unknown")
+    """This streamsan's version."""
+    import streamsan
+    return streamsan.__version__
 
 
 def _frames(frames) -> list:
@@ -68,8 +64,10 @@ def _site(analyzer, block) -> dict | None:
 
 
 def _memory(f) -> dict:
+    """The memory of a finding, described by the life it belongs to (for missing-record-stream, the freed
+    tensor's)."""
     blk = f.prev_block if f.kind == MISSING_RECORD_STREAM else (f.block or f.prev_block)
-    label = (blk.label if blk is not None else "") or (f.prev_block.label if f.prev_block is not None else "")
+    label = next((b.label for b in (blk, f.prev_block) if b is not None and b.label), "")
     return {
         "space": "pinned-host" if f.space == PINNED else "device",
         "device": None if f.space == PINNED else f.space,

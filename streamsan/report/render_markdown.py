@@ -111,7 +111,7 @@ def render_markdown(report: dict) -> str:
     lines = [f"## streamsan: {title}", "", totals_text(report).removeprefix("streamsan: "), ""]
     if not report.get("complete", True):
         problems = report.get("problems") or ["events may be missing"]
-        lines += [f"> **Incomplete:** {p}  " for p in problems] + [""]
+        lines += [f"> **Incomplete:** {escape(p)}  " for p in problems] + [""]
     if races:
         lines += ["| # | Kind | Later access | Earlier access | Memory | Count |", "|---:|---|---|---|---|---:|"]
         for i, r in enumerate(races, 1):
@@ -122,6 +122,6 @@ def render_markdown(report: dict) -> str:
         for i, r in enumerate(races, 1):
             lines += _finding(i, r)
     if report.get("notes"):
-        lines += ["### Notes", ""] + [f"- {n['level']}: {n['text']}" for n in report["notes"]] + [""]
+        lines += ["### Notes", ""] + [f"- {n['level']}: {escape(n['text'])}" for n in report["notes"]] + [""]
     lines += _environment(report)
     return "\n".join(lines)
