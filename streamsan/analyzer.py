@@ -162,6 +162,8 @@ class Analyzer:
                 info.name = name
             self._rebuild_implicit()
             return
+        if not 0 < agent < E.MAX_AGENT:
+            raise ValueError(f"agent id {agent} is outside [1, {E.MAX_AGENT})")
         self.agents[agent] = AgentInfo(agent, device, handle, flags, name)
         n = len(self.vc)
         if agent >= n:

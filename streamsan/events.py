@@ -41,6 +41,7 @@ from __future__ import annotations
 
 HOST = 0
 PINNED = -1
+MAX_AGENT = 1 << 16  # agent ids are small integers (a tracer numbers streams from 1)
 
 DEF_STACK = 0
 DEF_CONTEXT = 1
@@ -185,6 +186,9 @@ _SHAPES = {
 }
 
 
+_AGENT_FIELD = {STREAM: 1, EVENT_RECORD: 2, EVENT_WAIT: 2, STREAM_SYNC: 1, OP: 1, ALLOC: 4, RECORD_STREAM: 3}
+
+
 def validate(ev) -> tuple:
     """Check one event read from untrusted input and return it as a tuple (ranges as tuples).
 
@@ -198,6 +202,9 @@ def validate(ev) -> tuple:
         raise BadEvent(f"unknown event kind {kind!r}")
     if len(ev) != len(shape) + 1:
         raise BadEvent(f"{KIND_NAMES[kind]} has {len(shape) + 1} fields, got {len(ev)}")
+    if kind in _AGENT_FIELD and not (0 <= ev[_AGENT_FIELD[kind]] < MAX_AGENT if _is_int(ev[_AGENT_FIELD[kind]])
+                                      else False):
+        raise BadEvent(f"{KIND_NAMES[kind]}: agent ids are integers in [0, {MAX_AGENT})")
     out = [kind]
     for code, value in zip(shape, ev[1:]):
         if code == "i":

@@ -122,7 +122,7 @@ class Session:
             self._note_no_cuda()
         self.buffer.flush()
         if self.writer is not None:
-            self.writer.close()
+            self.writer.close({"environment": self._environment()})
         if _current is self:
             _current = None
 
@@ -134,6 +134,14 @@ class Session:
             available = False
         if not available:
             self._note("no CUDA device is available: nothing could be checked (the program ran unchanged)")
+
+    def _environment(self) -> dict:
+        try:
+            from .report.environment import collect_environment
+
+            return collect_environment(list(getattr(sys, "orig_argv", sys.argv)), import_missing=False)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
 
     def __enter__(self) -> "Session":
         return self.start()

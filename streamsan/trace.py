@@ -12,7 +12,8 @@ Format ``streamsan.trace/1``::
 * ``E``: zlib-compressed Python ``marshal`` (version 4) of a list of events (tuples, see
   :mod:`streamsan.events`). marshal keeps replay fast; its format for ints, strings, tuples and lists is stable
   across Python versions. Every frame is checksummed before it is decoded.
-* ``Z`` (last frame, absent if the writer died): zlib-compressed JSON ``{"events": N, "complete": true}``.
+* ``Z`` (last frame, absent if the writer died): zlib-compressed JSON ``{"events": N, "complete": true, ...}``,
+  plus what the writer knew only at the end (``"environment"``: library versions once they were imported).
 
 The writer appends a frame per batch and hands it to the OS at once, so a crash loses only the batch being
 filled. A reader stops at the first truncated frame and reports the trace as incomplete.
@@ -65,10 +66,12 @@ class TraceWriter:
             self._frame(b"E", zlib.compress(marshal.dumps(list(batch), 4), 1))
             self.events += len(batch)
 
-    def close(self) -> None:
+    def close(self, extra: dict | None = None) -> None:
         if self.closed:
             return
-        self._frame(b"Z", zlib.compress(json.dumps({"events": self.events, "complete": True}).encode()))
+        footer = {"events": self.events, "complete": True}
+        footer.update(extra or {})
+        self._frame(b"Z", zlib.compress(json.dumps(footer, default=str).encode()))
         os.close(self.fd)
         self.closed = True
 
@@ -98,6 +101,7 @@ class TraceReader:
                                  f"(this streamsan reads {FORMAT})")
             raise TraceError(f"{path}: not a streamsan trace (bad magic bytes)")
         self.complete = False
+        self.footer: dict = {}
         self.problem: str | None = None
         self.events = 0
         kind, payload = self._next() or (None, None)
@@ -154,6 +158,11 @@ class TraceReader:
                     yield batch
                 elif kind == b"Z":
                     self.complete = True
+                    try:
+                        footer = json.loads(zlib.decompress(payload))
+                    except (zlib.error, ValueError):
+                        footer = None
+                    self.footer = footer if isinstance(footer, dict) else {}
                     return
                 else:
                     self.problem = f"unknown frame type {kind!r}"

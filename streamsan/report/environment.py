@@ -59,11 +59,12 @@ def _nvml() -> tuple[str | None, list[str]]:
             pass
 
 
-def collect_environment(command) -> dict:
+def collect_environment(command, import_missing: bool = True) -> dict:
     """streamsan, Python, platform, torch (+ its CUDA runtime), CuPy, transformers, NVIDIA driver and GPUs,
-    and the command line. Unknown values are None."""
+    and the command line. Unknown values are None. ``import_missing=False``: report torch only if the
+    process imported it (a traced process at exit must not import what it never used)."""
     driver, gpus = _nvml()
-    torch_version = _module_version("torch", import_if_available=True)
+    torch_version = _module_version("torch", import_if_available=import_missing)
     return {
         "streamsan": version(),
         "python": f"{platform.python_version()} ({platform.python_implementation()})",
