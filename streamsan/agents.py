@@ -23,6 +23,7 @@ class StreamRegistry:
         self.agent_of: dict[tuple[int, int], int] = {}
         self.by_handle: dict[int, int] = {}
         self.flags_of: dict[tuple[int, int], int] = {}
+        self._next = 1  # agent ids are never reused (a forgotten handle's agent keeps its history)
         self._lock = threading.Lock()
 
     def agent(self, device: int, handle: int, flags: int | None = None) -> int:
@@ -42,7 +43,8 @@ class StreamRegistry:
                 if a0 is not None:  # the two spellings of the legacy stream are one agent
                     self.agent_of[key] = a0
                     return a0
-            a = len(set(self.agent_of.values())) + 1
+            a = self._next
+            self._next += 1
             self.agent_of[key] = a
             if handle not in LEGACY_HANDLES and handle != PER_THREAD_HANDLE:
                 self.by_handle[handle] = a
@@ -56,6 +58,17 @@ class StreamRegistry:
             self.flags_of[key] = flags
             self.buffer.events.append((E.STREAM, a, device, handle, flags, name))
             return a
+
+    def forget(self, device: int, handle: int) -> None:
+        """A new stream got this handle (the old one was destroyed, its work may still run): the next use
+        declares a new agent, unordered with the old one. Never used for the default streams."""
+        if handle in LEGACY_HANDLES or handle == PER_THREAD_HANDLE:
+            return
+        with self._lock:
+            a = self.agent_of.pop((device, handle), None)
+            self.flags_of.pop((device, handle), None)
+            if a is not None and self.by_handle.get(handle) == a:
+                del self.by_handle[handle]
 
     def name(self, device: int, handle: int, name: str) -> None:
         """Give a stream a role name for reports (re-declares it with the same flags)."""

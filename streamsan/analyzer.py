@@ -80,10 +80,13 @@ def _never(_access) -> bool:
 
 
 def _survives(x: Access, h: list, old_block, space: int) -> bool:
-    """Whether an access of an earlier life stays in the shadow when its memory is allocated again."""
+    """Whether an access of an earlier life stays in the shadow when its memory is allocated again: not if
+    the host synchronized past it, nor if the allocator waited for it (a recorded user's access in that
+    block's own life; any stream's access of pinned memory)."""
     if x.clock <= h[x.agent]:
         return False
-    if x.agent != HOST and (space == PINNED or (old_block is not None and x.agent in old_block.recorded)):
+    if x.agent != HOST and (space == PINNED or (
+            old_block is not None and x.agent in old_block.recorded and x.seq >= old_block.seq)):
         return False
     return True
 

@@ -168,7 +168,7 @@ def _check_range(r) -> None:
 
 # field checkers per kind: a tuple of 'i' (int), 's' (str), 'r' (ranges), 'f' (frames), 'a' (any)
 _SHAPES = {
-    DEF_STACK: "ifx",
+    DEF_STACK: "if",
     DEF_CONTEXT: "is",
     STREAM: "iiiis",
     EVENT_RECORD: "iii",
@@ -177,7 +177,7 @@ _SHAPES = {
     EVENT_SYNC: "ii",
     DEVICE_SYNC: "ii",
     OP: "isrriii",
-    ALLOC: "iiiiiiis",
+    ALLOC: "iiiiiis",
     FREE: "iii",
     RECORD_STREAM: "iiii",
     LABEL: "iiis",

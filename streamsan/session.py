@@ -95,9 +95,9 @@ class Session:
     def _attach_hooks(self, module) -> None:
         if not self.active:
             return
-        try:
-            from .hooks import transformers as hooks
-        except ImportError:
+        hooks = load_hooks("transformers")
+        if hooks is None:
+            self._note("the transformers hooks could not be loaded: races are still found, without cache labels")
             return
         hooks.install(self, module)
 
@@ -188,6 +188,28 @@ class Session:
 
 
 _current: Session | None = None
+
+
+def load_hooks(name: str):
+    """The hook module ``streamsan.hooks.<name>`` (shipped from the repository's ``hooks/`` directory), found
+    also when streamsan runs from a source tree where that package mapping does not apply."""
+    import importlib
+    import importlib.util
+
+    full = f"streamsan.hooks.{name}"
+    try:
+        return importlib.import_module(full)
+    except ModuleNotFoundError as e:
+        if e.name not in ("streamsan.hooks", full):
+            raise
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hooks", f"{name}.py")
+    if not os.path.exists(path):
+        return None
+    spec = importlib.util.spec_from_file_location(full, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[full] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def watch(scope: str = "full", trace: str | None = None) -> Session:

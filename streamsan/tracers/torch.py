@@ -378,7 +378,7 @@ class TorchTracer:
                     if ev is not None:
                         self.buffer.events.append(ev)
 
-    def _register_pinned(self, t) -> tuple | None:
+    def _register_pinned(self, t, stack: int = 0) -> tuple | None:
         """A new pinned host block (an op's output): returns its ALLOC event."""
         st = t.untyped_storage()
         base = st.data_ptr()
@@ -386,7 +386,7 @@ class TorchTracer:
         if size == 0:
             return None
         self.pinned[base] = size
-        return (E.ALLOC, E.PINNED, base, size, E.HOST, 0, self.ctx, describe(t))
+        return (E.ALLOC, E.PINNED, base, size, E.HOST, stack, self.ctx, describe(t))
 
     # ------------------------------------------------------------------ dispatch
     def _plan(self, func) -> OpPlan:
@@ -524,12 +524,16 @@ class TorchTracer:
         return sizes
 
     def _fill_alloc_sizes(self, evs, mark, out) -> None:
+        """Size the allocations an op without accesses made (``empty``...) and give them the op's stack."""
         sizes = self._output_blocks(out)
+        stack = 0
         for i in range(mark, len(evs)):
             ev = evs[i]
             if ev[0] == E.ALLOC and ev[3] == 0 and ev[2] in sizes:
                 size, what = sizes[ev[2]]
-                evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5], ev[6], what)
+                if not stack:
+                    stack = self.stacks.capture(evs, 3)
+                evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or stack, ev[6], what)
 
     def _place(self, evs, mark, op, out, pre=()) -> None:
         """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the op,
@@ -543,7 +547,7 @@ class TorchTracer:
             if ev[0] == E.ALLOC:
                 if ev[3] == 0 and ev[2] in sizes:
                     size, what = sizes[ev[2]]
-                    ev = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5], ev[6], what)
+                    ev = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or op[5], ev[6] or op[6], what)
                 evs.append(ev)
             elif ev[0] in (E.STREAM, E.DEF_STACK, E.DEF_CONTEXT):
                 evs.append(ev)
@@ -588,7 +592,7 @@ class TorchTracer:
         pre = []
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and t.is_cpu and t.nbytes and t.is_pinned():
-                ev = self._register_pinned(t)
+                ev = self._register_pinned(t, stack)
                 if ev is not None:
                     pre.append(ev)
         evs = self.buffer.events

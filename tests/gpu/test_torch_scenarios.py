@@ -4,6 +4,9 @@ Each scenario is a small program; EXPECTED maps it to (kind, previous stream rol
 stream role, current op) tuples. Side streams are named "side" / "side2" with streamsan.name_stream.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -343,45 +346,27 @@ def torch_stream_context_race():
     torch.cuda.synchronize()
 
 
-DD = "device-device"
-HD = "host-device"
-EXPECTED = {
-    write_default_then_side_write: [(DD, "default", "aten::fill_.Scalar", "side", "aten::fill_.Scalar")],
-    write_default_then_side_read: [(DD, "default", "aten::fill_.Scalar", "side", "aten::sum")],
-    side_read_then_default_write: [(DD, "side", "aten::sum", "default", "aten::fill_.Scalar")],
-    host_reads_pinned_after_async_d2h: [(HD, "default", "aten::_to_copy", "host", "aten::sum")],
-    host_writes_pinned_during_h2d: [(HD, "default", "aten::_to_copy", "host", "aten::fill_.Scalar")],
-    missing_record_stream: [("missing-record-stream", "default", "aten::mul.Tensor", "side", "allocation")],
-    alloc_reuse_on_other_stream: [("alloc-reuse", "default", "aten::fill_.Scalar", "side", "aten::fill_.Scalar")],
-    d2h_then_h2d_pinned_across_streams: [(DD, "default", "aten::_to_copy", "side", "aten::_to_copy")],
-    overlapping_views_two_streams: [(DD, "default", "aten::fill_.Scalar", "side", "aten::fill_.Scalar")],
-    wait_on_unrecorded_event: [(DD, "default", "aten::fill_.Scalar", "side", "aten::fill_.Scalar")],
-    wait_wrong_direction: [(DD, "default", "aten::fill_.Scalar", "side", "aten::fill_.Scalar")],
-    strided_columns_overlap: [(DD, "default", "aten::fill_.Scalar", "side", "aten::fill_.Scalar")],
-    torch_stream_context_race: [(DD, "default", "aten::fill_.Scalar", "side", "aten::add_.Tensor")],
-    same_stream: [],
-    wait_stream_right: [],
-    event_record_wait_right: [],
-    record_stream_right: [],
-    wait_stream_instead_of_record_stream: [],
-    host_sync_then_read("stream"): [],
-    host_sync_then_read("device"): [],
-    host_sync_then_read("event"): [],
-    host_sync_then_read("event_query"): [],
-    host_sync_then_read("stream_query"): [],
-    disjoint_halves_two_streams: [],
-    strided_columns_disjoint: [],
-    side_stream_only: [],
-    blocking_d2h_on_side_stream: [],
-    item_then_host_read: [],
-    cpu_and_tolist: [],
-    pageable_nonblocking_d2h: [],
-    pinned_reuse_after_sync: [],
-    torch_stream_context: [],
-}
+SCENARIOS = [
+    write_default_then_side_write, write_default_then_side_read, side_read_then_default_write,
+    host_reads_pinned_after_async_d2h, host_writes_pinned_during_h2d, missing_record_stream,
+    alloc_reuse_on_other_stream, d2h_then_h2d_pinned_across_streams, overlapping_views_two_streams,
+    wait_on_unrecorded_event, wait_wrong_direction, strided_columns_overlap, torch_stream_context_race,
+    same_stream, wait_stream_right, event_record_wait_right, record_stream_right,
+    wait_stream_instead_of_record_stream, host_sync_then_read("stream"), host_sync_then_read("device"),
+    host_sync_then_read("event"), host_sync_then_read("event_query"), host_sync_then_read("stream_query"),
+    disjoint_halves_two_streams, strided_columns_disjoint, side_stream_only, blocking_d2h_on_side_stream,
+    item_then_host_read, cpu_and_tolist, pageable_nonblocking_d2h, pinned_reuse_after_sync, torch_stream_context,
+]
+# (kind, previous role, previous op, current role, current op) per scenario; shared with the CPU replay test of
+# the traces these scenarios recorded (tests/test_replay_fixtures.py).
+EXPECTED = json.loads((Path(__file__).parent.parent / "fixtures" / "gpu" / "expected.json").read_text())
 
 
-@pytest.mark.parametrize("scenario", list(EXPECTED), ids=lambda f: f.__name__)
+def test_every_scenario_has_an_expectation():
+    assert sorted(f.__name__ for f in SCENARIOS) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
 def test_scenario(san, scenario):
     _, got = san(scenario)
-    assert got == EXPECTED[scenario]
+    assert got == [tuple(x) for x in EXPECTED[scenario.__name__]]
