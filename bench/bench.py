@@ -1,0 +1,202 @@
+"""Side-by-side overhead on a GPU: plain, a no-op dispatch mode (the Python floor), streamsan and CSAN.
+
+    python bench/bench.py                                # every workload, every mode
+    python bench/bench.py --workloads decode,micro --runs 5
+
+Workloads (DESIGN and issue 5): ``decode`` / ``decode_offload``: greedy decode of a random 8-layer Qwen3 (hidden
+1024, 8 heads, head_dim 128, 512-token prompt, 32 steps), resident or with DynamicCache(offloading=True);
+``big_decode``: a random ~6.5B Qwen3 (hidden 4096, 32 layers, 32 heads, 8 KV heads) decoding at batch 8 after a
+2048-token prompt; ``big_prefill``: the same model, 3 forwards of batch 8 x 4096 tokens; ``micro``: 100k small
+elementwise ops over 4 streams with events and waits.
+
+Modes: ``plain``; ``floor`` (a TorchDispatchMode that only calls the op); ``record`` (streamsan tracing into a
+trace file, as each process under ``streamsan wrap`` does; the analysis runs afterwards in the wrapping process);
+``full`` (streamsan.watch(): tracing plus in-process analysis); ``hooks`` (``--scope hooks``: only inside the
+transformers cache hooks); ``csan`` (torch.cuda._sanitizer). GPU trace callbacks, once activated, stay on for the
+process, so each workload runs in its own process with the modes in that order and CSAN last. Each mode: one
+warm-up, then the median of ``--runs`` (CSAN: one timed run).
+Prints one table: each mode's time and its ratio to plain, to the floor and to CSAN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import streamsan  # noqa: E402
+from streamsan.session import Session  # noqa: E402
+
+
+class NoOp(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def qwen3(hidden, layers, heads, kv_heads, head_dim, inter, vocab=32000):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=16384)
+    with torch.device("cuda"):
+        torch.set_default_dtype(torch.bfloat16)
+        model = Qwen3ForCausalLM(cfg).eval()
+        torch.set_default_dtype(torch.float32)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def decode_workload(model, batch, prompt, steps, offloading):
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device="cuda")
+
+    @torch.no_grad()
+    def run():
+        cache = DynamicCache(config=model.config, offloading=offloading)
+        out = model(ids, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(steps):
+            out = model(tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+    return run
+
+
+def prefill_workload(model, batch, prompt, forwards):
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device="cuda")
+
+    @torch.no_grad()
+    def run():
+        for _ in range(forwards):
+            model(ids, use_cache=False)
+        torch.cuda.synchronize()
+    return run
+
+
+def micro_workload(n_ops=100_000, n_streams=4):
+    streams = [torch.cuda.Stream() for _ in range(n_streams)]
+    xs = [torch.ones(256, device="cuda") for _ in range(n_streams)]
+
+    def run():
+        for i in range(n_ops // n_streams):
+            for k, s in enumerate(streams):
+                with torch.cuda.stream(s):
+                    xs[k].add_(1.0)
+            if i % 16 == 15:  # pass values around the ring, ordered by events
+                for k, s in enumerate(streams):
+                    e = torch.cuda.Event()
+                    e.record(s)
+                    streams[(k + 1) % n_streams].wait_event(e)
+        torch.cuda.synchronize()
+    return run
+
+
+def timed(fn, runs):
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(mode, fn, runs, tmp):
+    if mode == "plain":
+        return timed(fn, runs)
+    if mode == "floor":
+        with NoOp():
+            return timed(fn, runs)
+    if mode == "record":
+        s = Session(trace_path=os.path.join(tmp, "bench.sstrace"), analyze=False).start()
+        try:
+            return timed(fn, runs)
+        finally:
+            s.stop()
+    if mode in ("full", "hooks"):
+        with streamsan.watch(scope="full" if mode == "full" else "hooks"):
+            return timed(fn, runs)
+    if mode == "csan":
+        import torch.cuda._sanitizer as csan
+
+        sanitizer = csan.CUDASanitizer()
+        sanitizer.enable()
+        try:
+            return timed(fn, runs)
+        except csan.CUDASanitizerErrors:
+            return float("nan")
+        finally:
+            sanitizer.disable()
+    raise ValueError(mode)
+
+
+WORKLOADS = ("decode", "decode_offload", "micro", "big_decode", "big_prefill")
+MODES = ("plain", "floor", "record", "hooks", "full", "csan")
+
+
+def run_workload(w, modes, runs, big_runs):
+    tmp = tempfile.mkdtemp()
+    if w in ("decode", "decode_offload"):
+        fn = decode_workload(qwen3(1024, 8, 8, 8, 128, 3072), 1, 512, 32, offloading=(w == "decode_offload"))
+    elif w == "micro":
+        fn = micro_workload()
+    elif w in ("big_decode", "big_prefill"):
+        big = qwen3(4096, 32, 32, 8, 128, 11008)
+        fn = decode_workload(big, 8, 2048, 32, False) if w == "big_decode" else prefill_workload(big, 8, 4096, 3)
+        runs = big_runs
+    else:
+        raise SystemExit(f"unknown workload {w}")
+    res = {}
+    for m in modes:
+        if m == "hooks" and w in ("micro", "big_prefill"):
+            continue  # no hooked library code runs there
+        res[m] = measure(m, fn, 1 if m == "csan" else runs, tmp)
+        print(f"  {w:15s} {m:7s} {res[m]:8.3f}s", file=sys.stderr, flush=True)
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--big-runs", type=int, default=2)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    modes = [m for m in MODES if m in a.modes.split(",")]
+    if a.child:  # one workload per process: CSAN's callbacks cannot be removed once registered
+        print(json.dumps(run_workload(a.child, modes, a.runs, a.big_runs)))
+        return
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}", flush=True)
+    rows = []
+    for w in a.workloads.split(","):
+        out = subprocess.run([sys.executable, __file__, "--child", w, "--modes", ",".join(modes), "--runs",
+                              str(a.runs), "--big-runs", str(a.big_runs)], stdout=subprocess.PIPE, text=True)
+        if out.returncode != 0:
+            print(f"{w}: failed with exit code {out.returncode}", flush=True)
+            continue
+        rows.append((w, json.loads(out.stdout.strip().splitlines()[-1])))
+    print()
+    print(f"{'workload':15s} {'mode':7s} {'seconds':>8s} {'x plain':>8s} {'x floor':>8s} {'CSAN / mode':>11s}")
+    for w, res in rows:
+        for m, t in res.items():
+            fl = res.get("floor")
+            cs = res.get("csan")
+            print(f"{w:15s} {m:7s} {t:8.3f} {t / res['plain']:8.2f} {t / fl if fl else float('nan'):8.2f} "
+                  f"{cs / t if cs else float('nan'):11.2f}")
+
+
+if __name__ == "__main__":
+    main()
