@@ -14,20 +14,39 @@ __version__ = "0.1.0"
 from .session import Session, current, disable, enable, watch  # noqa: E402
 
 
-def name_stream(stream, name: str) -> None:
-    """Give a stream a role name (e.g. ``"prefetch_stream"``) used in reports of the active session."""
+def _tracer_for(obj):
+    """The active session's tracer that owns ``obj`` (a CuPy or torch stream / array), or None."""
     s = current()
-    t = s.tracers.get("torch") if s is not None else None
+    if s is None:
+        return None
+    t = s.tracers.get("cupy")
+    if t is not None and t.owns(obj):
+        return t
+    return s.tracers.get("torch")
+
+
+def name_stream(stream, name: str) -> None:
+    """Give a stream (torch or CuPy) a role name (e.g. ``"prefetch_stream"``) used in reports of the active
+    session."""
+    t = _tracer_for(stream)
     if t is not None:
         t.name_stream(stream, name)
 
 
 def label(tensor, text: str) -> None:
-    """Name a tensor's memory (e.g. ``"cache.layers[3].keys"``) in reports of the active session."""
-    s = current()
-    t = s.tracers.get("torch") if s is not None else None
+    """Name a tensor's / array's memory (e.g. ``"cache.layers[3].keys"``) in reports of the active session."""
+    t = _tracer_for(tensor)
     if t is not None:
         t.label(tensor, text)
 
 
-__all__ = ["Session", "watch", "enable", "disable", "current", "name_stream", "label", "__version__"]
+def cupy_access(kernel, reads=(), writes=(), ignore=(), *, name=None):
+    """Declare which arguments of a CuPy raw kernel it reads and writes (see ``docs/cupy.md``); returns
+    ``kernel``. Without it every array argument of a ``RawKernel`` launch counts as read-and-write."""
+    from .tracers.cupy import cupy_access as declare
+
+    return declare(kernel, reads, writes, ignore, name=name)
+
+
+__all__ = ["Session", "watch", "enable", "disable", "current", "name_stream", "label", "cupy_access",
+           "__version__"]

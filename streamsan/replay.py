@@ -8,11 +8,15 @@ one-line message.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 
 from .analyzer import Analyzer
 from .report.build import build_report
+from .report.syncs import attach_timelines, collect_timelines
 from .trace import TraceError, TraceReader, validate_batch
+
+log = logging.getLogger("streamsan")
 
 _ANALYZER_ERRORS = (TypeError, IndexError, KeyError, ValueError, AttributeError)
 
@@ -24,7 +28,7 @@ def _command(header: dict) -> list:
     return [str(c) for c in cmd] if isinstance(cmd, list) else []
 
 
-def _feed(reader, analyzer, name: str) -> None:
+def _feed(reader, analyzer, name: str, progress) -> None:
     for batch in reader.batches():
         first = analyzer.seq
         try:
@@ -35,19 +39,22 @@ def _feed(reader, analyzer, name: str) -> None:
             except TraceError as bad:
                 raise TraceError(f"{name}: invalid {bad}") from None
             raise TraceError(f"{name}: event {analyzer.seq} cannot be analyzed ({type(e).__name__}: {e})") from None
+        if progress is not None:
+            progress(analyzer)
 
 
-def replay_trace(path: str, *, with_process: bool = False, name: str | None = None) -> dict:
-    """Analyze the trace at ``path`` and return its report. ``with_process``: add a ``processes`` entry
-    (pid, command, trace file name) so that the report can be merged with other processes' reports.
-    ``name``: how messages name the trace (default: its path)."""
+def replay_trace(path: str, *, with_process: bool = False, name: str | None = None, progress=None) -> dict:
+    """Analyze the trace at ``path`` and return its report, each finding with its ``timeline`` (a second read
+    of the trace up to the last finding). ``with_process``: add a ``processes`` entry (pid, command, trace file
+    name) so that the report can be merged with other processes' reports. ``name``: how messages name the
+    trace (default: its path). ``progress``: called with the analyzer after each batch."""
     name = name or path
     reader = TraceReader(path)
     analyzer = Analyzer()
     gc_was_enabled = gc.isenabled()
     gc.disable()  # the analyzer builds no garbage cycles; collection passes would triple replay time
     try:
-        _feed(reader, analyzer, name)
+        _feed(reader, analyzer, name, progress)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -67,5 +74,9 @@ def replay_trace(path: str, *, with_process: bool = False, name: str | None = No
         pid = header.get("pid")
         process = {"pid": pid if type(pid) is int else None, "command": command,
                    "trace": os.path.basename(path)}
-    return build_report(analyzer, command=command, environment=env if isinstance(env, dict) else {},
-                        complete=not problems, problems=problems, process=process)
+    report = build_report(analyzer, command=command, environment=env if isinstance(env, dict) else {},
+                          complete=not problems, problems=problems, process=process)
+    if analyzer.findings:
+        attach_timelines(report, collect_timelines(TraceReader(path).batches(), analyzer))
+    log.debug("%s: %d events, %d findings", name, analyzer.seq, len(analyzer.findings))
+    return report

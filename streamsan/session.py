@@ -74,6 +74,7 @@ class Session:
         _current = self
         self.active = True
         when_imported("torch", self._attach_torch)
+        when_imported("cupy", self._attach_cupy)
         when_imported("transformers", self._attach_hooks)
         return self
 
@@ -89,8 +90,41 @@ class Session:
         from .tracers.torch import TorchTracer
 
         tracer = TorchTracer(self.buffer, self.streams, self.stacks, scope=self.scope)
+        tracer.on_note = self._note
         self.tracers["torch"] = tracer
         tracer.start()
+        when_imported("triton", self._note_triton)
+
+    def _note_triton(self, triton_module) -> None:
+        """Triton kernels launched directly run outside aten: say so once, at the first launch."""
+        jit = getattr(getattr(triton_module, "runtime", None), "jit", None)
+        cls = getattr(jit, "JITFunction", None)
+        run = cls.__dict__.get("run") if cls is not None else None
+        if run is None or not self.active:
+            return
+        session = self
+
+        def first_run(self, *a, **k):
+            cls.run = run
+            session._note("Triton kernels launched outside aten ops are not analyzed")
+            return run(self, *a, **k)
+
+        cls.run = first_run
+
+    def _attach_cupy(self, cupy_module) -> None:
+        if not self.active or "cupy" in self.tracers:
+            return
+        from .tracers.support import check_cupy
+
+        problem = check_cupy(cupy_module)
+        if problem:
+            self._note(problem)
+            return
+        from .tracers.cupy import CupyTracer
+
+        tracer = CupyTracer(self.buffer, self.streams, self.stacks, scope=self.scope)
+        self.tracers["cupy"] = tracer
+        tracer.start(cupy_module)
 
     def _attach_hooks(self, module) -> None:
         if not self.active:

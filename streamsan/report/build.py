@@ -26,7 +26,8 @@ def _frames(frames) -> list:
     return [{"file": f[0], "line": f[1], "function": f[2]} for f in frames]
 
 
-def _agent(analyzer, a: int) -> dict:
+def agent_item(analyzer, a: int) -> dict:
+    """An agent (the host or a stream) as a report item."""
     if a == HOST:
         return {"kind": "host", "stream": None, "device": None, "role": "host"}
     info = analyzer.agents[a]
@@ -37,7 +38,7 @@ def _agent(analyzer, a: int) -> dict:
 def _access(analyzer, acc, write: bool, loc: str) -> dict:
     frames = analyzer.stacks.get(acc.stack, ())
     return {
-        "agent": _agent(analyzer, acc.agent),
+        "agent": agent_item(analyzer, acc.agent),
         "type": "write" if write else "read",
         "op": acc.name,
         "location": loc,
@@ -55,7 +56,7 @@ def _site(analyzer, block) -> dict | None:
         "location": location(frames, "") or None,
         "stack": _frames(f for f in frames if not is_library_frame(f[0])),
         "context": analyzer.contexts.get(block.ctx) or None,
-        "owner": _agent(analyzer, block.owner),
+        "owner": agent_item(analyzer, block.owner),
         "start": f"{block.start:#x}",
         "bytes": block.size,
         "what": block.what or None,
@@ -102,8 +103,9 @@ def race_item(analyzer, f) -> dict:
     }
 
 
-def summarize(races: list, counters: dict, processes: int | None = None) -> dict:
-    """The report's ``summary`` from its race items and event counters."""
+def summarize(races: list, counters: dict, processes: int | None = None, suppressed: int | None = None) -> dict:
+    """The report's ``summary`` from its race items and event counters (and, when given, the number of
+    processes and of suppressed findings)."""
     by_kind = dict.fromkeys(KINDS, 0)
     for r in races:
         by_kind[r["kind"]] = by_kind.get(r["kind"], 0) + 1
@@ -111,6 +113,8 @@ def summarize(races: list, counters: dict, processes: int | None = None) -> dict
     out.update((k, counters.get(k, 0)) for k in COUNTERS)
     if processes is not None:
         out["processes"] = processes
+    if suppressed is not None:
+        out["suppressed"] = suppressed
     return out
 
 

@@ -336,6 +336,7 @@ class CupyTracer:
         self._hooks: list = []
         self._prev_profile = None
         self._profile = None
+        self._ns_done: set = set()
         self.cp = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -491,25 +492,33 @@ class CupyTracer:
 
     def _stack(self, skip=2) -> int:
         if getattr(self._tl, "depth", 0):
-            return self._tl.stack
+            return self._cur_stack()
         return self.stacks.capture(self.buffer.events, skip)
+
+    def _cur_stack(self) -> int:
+        """The stack of the traced call in progress, captured on first need (most calls that turn out to be
+        views or metadata never pay for it)."""
+        tl = self._tl
+        s = getattr(tl, "stack", 0)
+        if not s:
+            s = tl.stack = self.stacks.capture(self.buffer.events, 3)
+        return s
 
     def _op(self, name, fn, args, kwargs, analyze, stream_of=None):
         """Run one traced call and emit its OP (and the events it caused) in order."""
         tl = self._tl
-        if getattr(tl, "depth", 0) or not self._ops_on():
+        if getattr(tl, "depth", 0) or not self.running or not self._ops_on():
             return fn(*args, **kwargs)
         buf = self.buffer
         evs = buf.events
         mark = len(evs)
         try:
             dev, agent = self._stream_agent(stream_of(args, kwargs) if stream_of is not None else None)
-            stack = self.stacks.capture(evs, 2)
         except Exception as e:
             self._trouble(f"{name}: {type(e).__name__}: {e}")
             return fn(*args, **kwargs)
         tl.depth = 1
-        tl.stack = stack
+        tl.stack = 0
         try:
             out = fn(*args, **kwargs)
         finally:
@@ -521,7 +530,8 @@ class CupyTracer:
             self._trouble(f"{name}: {type(e).__name__}: {e}")
             res = None
         if res is not None or pre:
-            self._place(evs, mark, agent, name, res, stack, pre)
+            self._place(evs, mark, agent, name, res, self._cur_stack(), pre)
+        tl.stack = 0
         if len(buf.events) >= buf.batch:
             buf.flush()
         return out
@@ -758,7 +768,7 @@ class CupyTracer:
                              or not (obj.flags.c_contiguous or obj.flags.f_contiguous)
                              or obj.dtype.byteorder == ">")
                 if converted:  # NumPy converts it on the host first; the copy reads the converted array
-                    pre.append((E.OP, E.HOST, "numpy.array", (r,), (), self._tl.stack, self.ctx, 0))
+                    pre.append((E.OP, E.HOST, "numpy.array", (r,), (), self._cur_stack(), self.ctx, 0))
                 else:
                     reads.append(r)
         elif hasattr(obj, "__cuda_array_interface__"):
@@ -770,7 +780,7 @@ class CupyTracer:
                 sp = iface.get("stream")
                 if sp is not None and getattr(sys.modules.get("cupy._util"), "CUDA_ARRAY_INTERFACE_SYNC", True):
                     dev = out.data.device_id
-                    pre.append((E.STREAM_SYNC, self._agent(dev, int(sp)), self._tl.stack))
+                    pre.append((E.STREAM_SYNC, self._agent(dev, int(sp)), self._cur_stack()))
                 mem = out.data.mem
                 if type(mem).__name__ == "UnownedMemory":
                     return None  # zero-copy
@@ -783,7 +793,7 @@ class CupyTracer:
                     reads.append(r)
         mem = out.data.mem
         if type(mem).__name__ in ("UnownedMemory", "DLPackMemory"):
-            return ([], [], 0, None) if not pre else None
+            return None
         w = self._range(out)
         return reads, [w] if w is not None else [], flags, {mem.ptr: describe(out)}
 
@@ -965,10 +975,14 @@ class CupyTracer:
 
         def sync_fn(orig, make):
             @functools.wraps(orig)
-            def f(*args):
-                r = orig(*args)
+            def f(*args, **kwargs):
+                r = orig(*args, **kwargs)
                 if t.running:
-                    e = make(r, *args)
+                    try:
+                        e = make(r, *args, *kwargs.values())
+                    except Exception as exc:
+                        t._trouble(f"{orig.__name__}: {type(exc).__name__}: {exc}")
+                        e = None
                     if e is not None:
                         ev(e)
                 return r
@@ -1215,26 +1229,26 @@ class CupyTracer:
             orig = getattr(cp, name, None)
             if orig is not None:
                 self._set(cp, name, _traced_function(orig, "cupy." + name, an, stream_of))
-        for mod in _NS_MODULES:
-            m = sys.modules.get(mod)
-            if m is not None and mod.startswith("cupy."):
-                self._guard(self._patch_namespace_module, m)
 
     def _patch_namespace_module(self, module) -> None:
-        if getattr(module, "__name__", "") in _NS_MODULES and not getattr(module, "_streamsan_done", False):
-            self._patch_namespace(module, module.__name__ + ".")
+        name = getattr(module, "__name__", "")
+        if name in _NS_MODULES and name not in self._ns_done:
+            self._ns_done.add(name)
+            self._patch_namespace(module, name + ".")
             if module.__name__ == "cupy.random":
                 RS = getattr(module, "RandomState", None)
                 if isinstance(RS, type):
                     for attr, v in list(vars(RS).items()):
-                        if not attr.startswith("_") and isinstance(v, types.FunctionType):
+                        if (not attr.startswith("_") and isinstance(v, types.FunctionType)
+                                and not getattr(v, "_streamsan_traced", False)):
                             self._set(RS, attr, _traced_method(
                                 v, "cupy.random.RandomState." + attr, _an_generic(_INPLACE.get(attr, ()))))
 
     def _patch_namespace(self, module, prefix) -> None:
         ufunc = self.cp.ufunc
         for k, v in list(vars(module).items()):
-            if k.startswith("_") or k in _NS_DENY or isinstance(v, (type, types.ModuleType)):
+            if (k.startswith("_") or k in _NS_DENY or isinstance(v, (type, types.ModuleType))
+                    or type(v) is _UfuncProxy):
                 continue
             if isinstance(v, ufunc):
                 self._set(module, k, _UfuncProxy(v, prefix + k))
@@ -1609,16 +1623,17 @@ def pinned_class():
         def __getitem__(self, key):
             r = plain.__getitem__(self, key)
             t = _active
-            if t is None or isinstance(r, PinnedArray):
-                return r  # a basic view: no access
-            if isinstance(key, (int, tuple)) and all(isinstance(k, int) for k in (
-                    key if isinstance(key, tuple) else (key,))):
+            if t is None:
+                return r
+            if _basic_index(key):
+                if isinstance(r, plain):
+                    return r  # a view: no access
                 elem = plain.__getitem__(self, (key if isinstance(key, tuple) else (key,)) + (Ellipsis,))
                 rr = rng(t, elem)
                 t._host_op("numpy.ndarray.__getitem__", (rr,) if rr else (), ())
-            else:
-                self._access("__getitem__", False)
-            return r
+                return r
+            self._access("__getitem__", False)  # advanced indexing: a copy
+            return r.view(plain) if isinstance(r, PinnedArray) else r
 
         def __setitem__(self, key, value):
             plain.__setitem__(self, key, value.view(plain) if isinstance(value, PinnedArray) else value)

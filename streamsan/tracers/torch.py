@@ -102,9 +102,18 @@ def _tensor_kind(t):
     return None
 
 
+_descriptions: dict = {}
+
+
 def describe(t) -> str:
     """``dtype[shape]`` of a tensor, e.g. ``bfloat16[1, 8, 512, 128]``."""
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+    key = (t.dtype, t.shape)
+    d = _descriptions.get(key)
+    if d is None:
+        if len(_descriptions) > 4096:
+            _descriptions.clear()
+        d = _descriptions[key] = f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+    return d
 
 
 class _Mode(TorchDispatchMode):
@@ -115,7 +124,7 @@ class _Mode(TorchDispatchMode):
         self.tracer = tracer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.tracer.running:
+        if not self.tracer.tracing:
             return func(*args, **(kwargs or {}))
         return self.tracer._dispatch(func, args, kwargs or {})
 
@@ -133,14 +142,21 @@ class _GpuTrace:
         import torch.cuda._gpu_trace as gt
 
         torch._C._activate_gpu_trace()
-        gt.register_callback_for_event_deletion(lambda e: cls.active and cls.active._on_event_delete(e))
-        gt.register_callback_for_event_record(lambda e, s: cls.active and cls.active._on_event_record(e, s))
-        gt.register_callback_for_event_wait(lambda e, s: cls.active and cls.active._on_event_wait(e, s))
-        gt.register_callback_for_memory_allocation(lambda p: cls.active and cls.active._on_alloc(p))
-        gt.register_callback_for_memory_deallocation(lambda p: cls.active and cls.active._on_free(p))
-        gt.register_callback_for_device_synchronization(lambda: cls.active and cls.active._on_device_sync())
-        gt.register_callback_for_stream_synchronization(lambda s: cls.active and cls.active._on_stream_sync(s))
-        gt.register_callback_for_event_synchronization(lambda e: cls.active and cls.active._on_event_sync(e))
+        def on(name):
+            def callback(*args):
+                t = cls.active
+                if t is not None and t.tracing:
+                    getattr(t, name)(*args)
+            return callback
+
+        gt.register_callback_for_event_deletion(on("_on_event_delete"))
+        gt.register_callback_for_event_record(on("_on_event_record"))
+        gt.register_callback_for_event_wait(on("_on_event_wait"))
+        gt.register_callback_for_memory_allocation(on("_on_alloc"))
+        gt.register_callback_for_memory_deallocation(on("_on_free"))
+        gt.register_callback_for_device_synchronization(on("_on_device_sync"))
+        gt.register_callback_for_stream_synchronization(on("_on_stream_sync"))
+        gt.register_callback_for_event_synchronization(on("_on_event_sync"))
         cls.installed = True
 
 
@@ -164,7 +180,10 @@ class TorchTracer:
         self.op_agent = None  # (device, agent) of the op being dispatched, for its allocations
         self.saw_cuda = False
         self.running = False
+        self.tracing = False  # running, and not inside a CUDA graph capture
         self._modes: list = []
+        self._noted: set[str] = set()
+        self.on_note = None  # the session's note function (also tells the user once); else a NOTE event
         self._scope_depth = threading.local()
         self._patched: list = []
 
@@ -172,7 +191,7 @@ class TorchTracer:
     def start(self) -> None:
         _GpuTrace.install()
         _GpuTrace.active = self
-        self.running = True
+        self.running = self.tracing = True
         self._patch()
         if self.scope == "full":
             self._enter_mode()
@@ -181,7 +200,7 @@ class TorchTracer:
     def stop(self) -> None:
         if not self.running:
             return
-        self.running = False
+        self.running = self.tracing = False
         threading.setprofile(None)
         while self._modes:
             mode = self._modes.pop()
@@ -317,6 +336,57 @@ class TorchTracer:
 
             setattr(cls, attr, make(orig, what))
             self._patched.append((cls, attr, orig))
+        self._patch_blind_spots()
+
+    def _note_once(self, key: str, text: str) -> None:
+        if key not in self._noted:
+            self._noted.add(key)
+            if self.on_note is not None:
+                self.on_note(text)
+            else:
+                self.buffer.events.append((E.NOTE, "warning", text))
+
+    def _patch_blind_spots(self) -> None:
+        """CUDA graphs, torch.compile and Triton launch work the dispatch mode does not see: say so once, and
+        pause tracing during graph capture (captured ops do not run then)."""
+        tracer = self
+        graphs = getattr(getattr(torch, "cuda", None), "graphs", None)
+        cls = getattr(graphs, "CUDAGraph", None) if graphs is not None else None
+        if cls is not None:
+            begin, end, replay = (cls.__dict__.get(n) for n in ("capture_begin", "capture_end", "replay"))
+
+            def capture_begin(self, *a, **k):
+                tracer._note_once("graph", "CUDA graph capture: the captured work and its replays are not analyzed")
+                tracer.tracing = False
+                return begin(self, *a, **k)
+
+            def capture_end(self, *a, **k):
+                try:
+                    return end(self, *a, **k)
+                finally:
+                    tracer.tracing = tracer.running
+
+            def graph_replay(self, *a, **k):
+                tracer._note_once("graph", "CUDA graph capture: the captured work and its replays are not analyzed")
+                return replay(self, *a, **k)
+
+            for name, orig, fn in (("capture_begin", begin, capture_begin), ("capture_end", end, capture_end),
+                                   ("replay", replay, graph_replay)):
+                if orig is not None:
+                    fn.__wrapped__ = orig
+                    setattr(cls, name, fn)
+                    self._patched.append((cls, name, orig))
+        compile_fn = getattr(torch, "compile", None)
+        if compile_fn is not None:
+            def compile(*a, **k):
+                tracer._note_once("compile", "torch.compile: kernels of compiled graphs (Triton, fused ops) are "
+                                             "not analyzed; their eager fallbacks are")
+                return compile_fn(*a, **k)
+
+            compile.__wrapped__ = compile_fn
+            compile.__doc__ = compile_fn.__doc__
+            torch.compile = compile
+            self._patched.append((torch, "compile", compile_fn))
 
     def _unpatch(self) -> None:
         while self._patched:
@@ -327,11 +397,12 @@ class TorchTracer:
     def _range(self, t):
         """The byte range a tensor's kernel may touch, or None (not CUDA / pinned memory, or empty)."""
         if t.is_cuda:
-            space = t.get_device()
-        elif t.is_cpu:
-            space = E.PINNED
-        else:
-            return None
+            return self._range_in(t, t.get_device())
+        if t.is_cpu:
+            return self._range_in(t, E.PINNED)
+        return None
+
+    def _range_in(self, t, space: int):
         n = t.nbytes
         if n == 0:
             return None
@@ -419,7 +490,7 @@ class TorchTracer:
         dev = -1
         cpu = None
         cpu_written = False
-        rng = self._range
+        rng = self._range_in
         nargs = len(args)
         for pos, name, is_write, is_list in plan.tensor_args:
             v = args[pos] if 0 <= pos < nargs else kwargs.get(name)
@@ -431,19 +502,27 @@ class TorchTracer:
                         continue
                     if t.is_cuda:
                         dev = t.get_device()
-                    r = rng(t)
+                        r = rng(t, dev)
+                    elif t.is_cpu and self.pinned:
+                        r = rng(t, E.PINNED)
+                    else:
+                        continue
                     if r is not None:
                         (writes if is_write else reads).append(r)
                 continue
             if not isinstance(v, torch.Tensor):
                 continue
             if v.is_cuda:
+                d = v.get_device()
                 if dev < 0 or (plan.is_copy and not is_write):
-                    dev = v.get_device()
+                    dev = d
+                r = rng(v, d)
             elif v.is_cpu:
                 cpu = v
                 cpu_written = is_write
-            r = rng(v)
+                r = rng(v, E.PINNED) if self.pinned else None
+            else:
+                continue
             if r is not None:
                 (writes if is_write else reads).append(r)
         if dev < 0 and not plan.fresh_outputs:

@@ -1,0 +1,130 @@
+"""Threads, CUDA graphs, torch.compile, Triton, and proof that the tracer adds no synchronization."""
+
+import queue
+import threading
+
+import pytest
+import torch
+import torch.cuda._gpu_trace as gpu_trace
+
+import streamsan
+
+N = 1 << 16
+
+
+def loader_thread(handoff_with_event):
+    """A DataLoader-style pin-memory thread: pins a batch, copies it on its own stream, hands it over."""
+    q = queue.Queue()
+
+    def produce():
+        s = torch.cuda.Stream()
+        streamsan.name_stream(s, "loader")
+        for i in range(3):
+            p = torch.full((N,), float(i)).pin_memory()
+            with torch.cuda.stream(s):
+                x = p.to("cuda", non_blocking=True)
+                e = torch.cuda.Event()
+                e.record(s)
+            q.put((x, e))
+
+    t = threading.Thread(target=produce)
+    t.start()
+    t.join()
+    total = torch.zeros(N, device="cuda")
+    while not q.empty():
+        x, e = q.get()
+        if handoff_with_event:
+            torch.cuda.current_stream().wait_event(e)
+            x.record_stream(torch.cuda.current_stream())
+        total += x
+    torch.cuda.synchronize()
+
+
+def test_loader_thread_with_event_handoff_is_clean(san):
+    s, got = san(loader_thread, True)
+    assert got == []
+
+
+def test_loader_thread_without_handoff_races(san):
+    s, got = san(loader_thread, False)
+    assert ("device-device", "loader", "aten::_to_copy", "default", "aten::add_.Tensor") in got
+    assert all(k in ("device-device", "missing-record-stream") for k, *_ in got)
+
+
+def cuda_graph():
+    s = torch.cuda.Stream()
+    x = torch.ones(N, device="cuda")
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        y = x * 2  # warm-up on the capture stream
+        torch.cuda.current_stream().synchronize()
+        with torch.cuda.graph(g, stream=s):
+            y = x * 2
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    del y
+
+
+def test_cuda_graph_is_reported_as_not_analyzed(san):
+    s, got = san(cuda_graph)
+    assert got == []
+    assert any("CUDA graph capture" in text for _, text in s.analyzer.notes)
+
+
+def compiled():
+    f = torch.compile(lambda a: (a * 2).sin())
+    x = torch.ones(N, device="cuda")
+    y = f(x)
+    torch.cuda.synchronize()
+    del y
+
+
+def test_torch_compile_is_reported_as_not_analyzed(san):
+    s, got = san(compiled)
+    assert got == []
+    assert any("torch.compile" in text for _, text in s.analyzer.notes)
+
+
+def count_syncs(fn):
+    counts = {"stream": 0, "event": 0, "device": 0}
+    torch._C._activate_gpu_trace()
+    gpu_trace.register_callback_for_stream_synchronization(lambda s: counts.__setitem__("stream", counts["stream"] + 1))
+    gpu_trace.register_callback_for_event_synchronization(lambda e: counts.__setitem__("event", counts["event"] + 1))
+    gpu_trace.register_callback_for_device_synchronization(lambda: counts.__setitem__("device", counts["device"] + 1))
+    fn()
+    return dict(counts)
+
+
+def workload():
+    s = torch.cuda.Stream()
+    x = torch.ones(N, device="cuda")
+    for _ in range(20):
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            y = x * 2
+        torch.cuda.current_stream().wait_stream(s)
+        x = y + 1
+        p = x.to("cpu", non_blocking=True)
+        del p
+    torch.cuda.synchronize()
+
+
+def test_tracer_adds_no_synchronization():
+    torch.cuda.synchronize()
+    counts = []
+    for traced in (False, True):
+        box = {}
+
+        def run():
+            box["n"] = count_syncs(workload)
+
+        if traced:
+            with streamsan.watch():
+                run()
+        else:
+            run()
+        counts.append(box["n"])
+    assert counts[0] == counts[1]
+    assert counts[0]["device"] == 1

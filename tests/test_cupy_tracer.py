@@ -1,0 +1,299 @@
+"""The CuPy tracer's CPU-testable parts: it and the session import neither torch nor CuPy, a session runs in a
+process where torch is not installed, raw-kernel annotations, ranges, event placement around a traced call, and
+host accesses through pinned NumPy views (fed to the real analyzer)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from streamsan import events as E  # noqa: E402
+from streamsan.agents import StreamRegistry  # noqa: E402
+from streamsan.analyzer import Analyzer  # noqa: E402
+from streamsan.sink import EventBuffer  # noqa: E402
+from streamsan.tracers import cupy as C  # noqa: E402
+
+# A meta-path finder that makes ``import torch`` fail as if torch were not installed.
+BLOCK_TORCH = textwrap.dedent("""
+    import sys
+    class _NoTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+    sys.meta_path.insert(0, _NoTorch())
+    sys.path.insert(0, %r)
+""" % str(ROOT))
+
+
+def run_child(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK_TORCH + textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120, cwd=str(ROOT))
+
+
+def test_cupy_tracer_import_does_not_import_torch_or_cupy():
+    r = run_child("""
+        import types
+        import streamsan.tracers.cupy as c, streamsan
+        assert "torch" not in sys.modules, "torch imported"
+        assert "cupy" not in sys.modules, "cupy imported"
+        # with a stub cupy module already imported, still no torch
+        sys.modules["cupy"] = types.ModuleType("cupy")
+        import importlib; importlib.reload(c)
+        assert "torch" not in sys.modules
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "ok" in r.stdout
+
+
+def test_session_works_where_torch_is_not_installed(tmp_path):
+    r = run_child(f"""
+        import json, os, types
+        try:
+            import torch
+            raise SystemExit("torch importable")
+        except ModuleNotFoundError:
+            pass
+        import streamsan
+        with streamsan.watch() as s:
+            x = sum(range(10))
+        assert s.findings == [], s.findings
+        rep = s.report()
+        assert rep["environment"]["torch"] is None
+        # a CuPy-like module imported during a session on a machine without a GPU: noted, nothing patched
+        cupy = types.ModuleType("cupy")
+        cupy.__version__ = "14.0.0"
+        cupy.ndarray = type("ndarray", (), {{}})
+        cupy.cuda = types.SimpleNamespace(MemoryHook=object, is_available=lambda: False)
+        s2 = streamsan.enable(trace={str(tmp_path / "t.sstrace")!r})
+        sys.modules["cupy"] = cupy
+        s2._attach_cupy(cupy)
+        streamsan.disable()
+        assert any("no CUDA device" in p for p in s2.problems), s2.problems
+        assert "cupy" not in s2.tracers
+        assert os.path.getsize({str(tmp_path / "t.sstrace")!r}) > 0
+        assert "torch" not in sys.modules
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------- annotations
+class FakeRawKernel:
+    def __init__(self, code, name):
+        self.code = code
+        self.name = name
+
+
+CODE = """
+extern "C" __global__ void __launch_bounds__(128)
+copy_kernel(const float* __restrict__ x, float *y, int n) { }
+template <typename T> __global__ void scale(T* out, const T in[], T k = 2) { }
+"""
+
+
+def test_cuda_parameter_names():
+    assert C._cuda_params(CODE, "copy_kernel") == ["x", "y", "n"]
+    assert C._cuda_params(CODE, "scale<float>") == ["out", "in", "k"]
+    assert C._cuda_params(CODE, "missing") is None
+    assert C._cuda_params('extern "C" __global__ void f(void) {}', "f") == []
+
+
+def test_cupy_access_by_name_and_position():
+    k = FakeRawKernel(CODE, "copy_kernel")
+    assert C.cupy_access(k, reads=("x",), writes=(1,)) is k
+    ann = C._ANNOTATIONS[("raw", CODE, "copy_kernel")]
+    assert ann.reads == {0} and ann.writes == {1} and ann.ignore == frozenset()
+    C.cupy_access(k, reads="x", writes="y", ignore=())
+    assert C._ANNOTATIONS[("raw", CODE, "copy_kernel")].writes == {1}
+    with pytest.raises(ValueError):
+        C.cupy_access(k, reads=("nope",))
+    with pytest.raises(TypeError):
+        C.cupy_access(object(), reads=(0,))
+    with pytest.raises(ValueError):
+        C.cupy_access(FakeRawKernel("garbage", "k"), reads=("x",))  # names unknown: positions only
+    import streamsan
+
+    k2 = FakeRawKernel(CODE, "scale<float>")
+    streamsan.cupy_access(k2, writes=("out",), reads=("in",))
+    assert C._ANNOTATIONS[("raw", CODE, "scale<float>")].reads == {1}
+
+
+# ---------------------------------------------------------------------------------------------- ranges
+def test_strided_range():
+    assert C.strided_range(0, 1000, (4, 8), (32, 4), 4) == (0, 1000, 128)
+    assert C.strided_range(0, 1000, (4, 4), (32, 8), 4) == (0, 1000, 124, (4, (4, 4), (8, 2)))
+    # negative strides: the range starts at the lowest address, the layout is mirrored
+    assert C.strided_range(0, 1096, (4, 8), (-32, 4), 4) == (0, 1000, 128)
+    assert C.strided_range(0, 1000, (3, 5), (0, 4), 4) == (0, 1000, 20, (4, (3, 5), (0, 1)))
+    assert C.strided_range(0, 1000, (0, 5), (20, 4), 4) is None
+    assert C.strided_range(0, 1000, (2, 3), (13, 4), 4) == (0, 1000, 25)  # not element-aligned: the extent
+
+
+def test_registry_forget_gives_a_new_agent():
+    buf = EventBuffer([])
+    reg = StreamRegistry(buf)
+    a = reg.agent(0, 0x1234, E.BLOCKING)
+    assert reg.agent(0, 0x1234) == a
+    reg.forget(0, 0x1234)
+    b = reg.agent(0, 0x1234, 0)
+    assert b != a and reg.by_handle[0x1234] == b
+    assert reg.agent(0, 0) == reg.agent(0, 1)
+    reg.forget(0, 0)  # default streams are never forgotten
+    assert reg.agent(0, 0) == reg.agent(0, 1)
+    assert len({a, b, reg.agent(0, 0)}) == 3
+
+
+# ---------------------------------------------------------------------------------------------- a tracer without CuPy
+class FakeStream:
+    def __init__(self, ptr, device_id=-1):
+        self.ptr = ptr
+        self.device_id = device_id
+
+
+def bare_tracer():
+    """A CupyTracer wired to a buffer and an analyzer, with the CuPy calls it makes replaced by fakes."""
+    np = pytest.importorskip("numpy")
+    an = Analyzer()
+    buf = EventBuffer([an.feed])
+    t = C.CupyTracer(buf)
+    t._numpy = np
+    t._ndarray = type("ndarray", (), {})
+    t._getDevice = lambda: 0
+    t.current = FakeStream(0)
+    t._get_current_stream = lambda: t.current
+    t._stream_flags = lambda h: 0
+    t.running = True
+    return t, buf, an
+
+
+@pytest.fixture
+def tracer():
+    t, buf, an = bare_tracer()
+    C._active = t
+    yield t, buf, an
+    C._active = None
+
+
+def test_events_inside_a_call_are_placed_around_its_op(tracer):
+    t, buf, an = tracer
+    side = FakeStream(0xABC, 0)
+
+    def fn():
+        t._emit((E.EVENT_RECORD, 7, t._agent(0, 0), 0))  # e.g. a record done inside the call
+        t._on_malloc(0, 0x5000, 512)  # the call's output
+        t._emit((E.STREAM_SYNC, t._agent(0, 0xABC), 0))  # e.g. a blocking copy's synchronize()
+        return "out"
+
+    def analyze(tr, args, kwargs, out, pre):
+        return [(0, 0x9000, 64)], [(0, 0x5000, 512)], 0, {0x5000: "float32[128]"}
+
+    assert t._op("cupy.test", fn, (), {}, analyze, lambda a, k: side) == "out"
+    kinds = [ev[0] for ev in buf.events if ev[0] not in (E.STREAM, E.DEF_STACK)]
+    assert kinds == [E.ALLOC, E.OP, E.EVENT_RECORD, E.STREAM_SYNC]
+    alloc = next(ev for ev in buf.events if ev[0] == E.ALLOC)
+    op = next(ev for ev in buf.events if ev[0] == E.OP)
+    assert alloc[7] == "float32[128]" and alloc[4] == t._agent(0, 0)  # owner: the stream current at malloc
+    assert op[1] == t._agent(0, 0xABC)  # the op runs on the stream it was given
+    buf.flush()
+    assert an.findings == {}
+
+
+def test_nested_calls_are_not_ops_but_their_syncs_stay(tracer):
+    t, buf, an = tracer
+
+    def inner():
+        t._emit((E.STREAM_SYNC, t._agent(0, 0), 0))
+        return 1
+
+    def outer():
+        return t._op("cupy.inner", inner, (), {}, lambda *a: ([], [(0, 1, 8)], 0, None))
+
+    t._op("cupy.outer", outer, (), {}, lambda *a: ([(0, 1, 8)], [], 0, None))
+    ops = [ev[2] for ev in buf.events if ev[0] == E.OP]
+    assert ops == ["cupy.outer"]
+    assert [ev[0] for ev in buf.events if ev[0] in (E.OP, E.STREAM_SYNC)] == [E.OP, E.STREAM_SYNC]
+
+
+# ---------------------------------------------------------------------------------------------- pinned NumPy views
+def pinned(t, n=64):
+    np = pytest.importorskip("numpy")
+    host = np.zeros(n, dtype=np.float32)
+    ptr = host.__array_interface__["data"][0]
+    t._on_pinned(ptr, host.nbytes)
+    return host, host.view(C.pinned_class()), ptr
+
+
+def d2h(t, agent, ptr, nbytes):
+    """An async device-to-host copy into pinned memory, as ndarray.get(out=p, blocking=False) records it."""
+    t._emit((E.OP, agent, "cupy.ndarray.get", ((0, 0x7000, nbytes),), ((E.PINNED, ptr, nbytes),), 0, 0, 0))
+
+
+def test_host_read_of_pinned_view_races_with_async_d2h(tracer):
+    t, buf, an = tracer
+    host, p, ptr = pinned(t)
+    default = t._agent(0, 0)
+    d2h(t, default, ptr, host.nbytes)
+    total = p.sum()  # NumPy's add.reduce through __array_ufunc__
+    assert float(total) == 0.0 and type(total).__module__ == "numpy"
+    buf.flush()
+    fs = an.sorted_findings()
+    assert [(f.kind, f.previous.name, f.current.name) for f in fs] == [
+        ("host-device", "cupy.ndarray.get", "numpy.add.reduce")]
+
+
+def test_host_accesses_after_event_sync_are_clean(tracer):
+    t, buf, an = tracer
+    np = pytest.importorskip("numpy")
+    host, p, ptr = pinned(t)
+    default = t._agent(0, 0)
+    d2h(t, default, ptr, host.nbytes)
+    t._emit((E.EVENT_RECORD, 99, default, 0))
+    t._emit((E.EVENT_SYNC, 99, 0))
+    p.sum()
+    p[3] = 2.0
+    p[1:5] += 1
+    np.copyto(p, 1.0)
+    p.fill(3.0)
+    assert float(p[0]) == 3.0 and isinstance(p[2:4], C.pinned_class())
+    assert type(p + 1) is np.ndarray and type(p.copy()) is np.ndarray
+    buf.flush()
+    assert an.sorted_findings() == []
+    names = [ev[2] for ev in buf.events] or []
+    assert names == []  # flushed
+
+
+def test_host_write_of_one_element_vs_copy_of_another_part(tracer):
+    t, buf, an = tracer
+    host, p, ptr = pinned(t, 64)
+    side = t._agent(0, 0xAB0)
+    # an H2D copy on a side stream reads the first half of p; the host then writes element 40 and element 3
+    t._emit((E.OP, side, "cupy.ndarray.set", ((E.PINNED, ptr, 128),), ((0, 0x8000, 128),), 0, 0, 0))
+    p[40] = 1.0
+    buf.flush()
+    assert an.sorted_findings() == []
+    p[3] = 1.0
+    buf.flush()
+    fs = an.sorted_findings()
+    assert [(f.kind, f.previous.name, f.current.name) for f in fs] == [
+        ("host-device", "cupy.ndarray.set", "numpy.ndarray.__setitem__")]
+
+
+def test_pinned_view_pickles_as_plain_ndarray(tracer):
+    import pickle
+
+    np = pytest.importorskip("numpy")
+    t, buf, an = tracer
+    host, p, ptr = pinned(t, 4)
+    q = pickle.loads(pickle.dumps(p))
+    assert type(q) is np.ndarray and q.shape == (4,)
