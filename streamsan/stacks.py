@@ -20,62 +20,84 @@ _OWN_DIRS = tuple(
 )
 
 
+OWN, LIBRARY, USER = 0, 1, 2
+
+
 def _is_own(filename: str) -> bool:
     return os.path.normcase(filename).startswith(_OWN_DIRS) or "streamsan" + os.sep + "hooks" + os.sep in filename
 
 
 class StackTable:
-    """Interns stacks; ``capture(events)`` returns a stack id, appending a DEF_STACK to ``events`` if new."""
+    """Interns stacks; ``capture(events)`` returns a stack id, appending a DEF_STACK to ``events`` if new.
 
-    def __init__(self, depth: int = 10, user_depth: int = 3, max_depth: int = 40):
+    A stack is identified by its innermost frames up to and including the ``key_users``-th frame of user code
+    (library frames such as torch's are kept in the key but do not count). That key is cheap to build on every
+    op; the first time a key is seen, the stack is recorded in more depth (up to ``depth`` frames with at least
+    ``user_depth`` of user code) for reports. Calls that share the key but differ further out share that
+    record; the innermost user frame, which findings are deduplicated on, is always part of the key.
+    """
+
+    def __init__(self, depth: int = 12, user_depth: int = 4, key_users: int = 2, max_key: int = 24):
         self.depth = depth
         self.user_depth = user_depth
-        self.max_depth = max_depth
+        self.key_users = key_users
+        self.max_key = max_key
         self.ids: dict[tuple, int] = {}
         self.codes: dict[int, object] = {}
-        self._own: dict[int, bool] = {}
-        self._lib: dict[int, bool] = {}
+        self._kind: dict[int, int] = {}  # id(code) -> OWN, LIBRARY or USER
 
-    def _classify(self, code) -> None:
+    def _classify(self, code) -> int:
         cid = id(code)
         self.codes[cid] = code
-        self._own[cid] = _is_own(code.co_filename)
-        self._lib[cid] = is_library_frame(code.co_filename)
+        k = OWN if _is_own(code.co_filename) else LIBRARY if is_library_frame(code.co_filename) else USER
+        self._kind[cid] = k
+        return k
 
     def capture(self, events: list, skip: int = 1) -> int:
-        """Capture the caller's stack (innermost first), skipping ``skip`` frames and streamsan's own.
-
-        Keeps ``depth`` frames, or more (up to ``max_depth``) until ``user_depth`` frames of user code are in.
-        """
+        """Capture the caller's stack (innermost first), skipping ``skip`` frames and streamsan's own."""
         f = sys._getframe(skip + 1)
-        own = self._own
-        lib = self._lib
+        kind = self._kind
         key = []
-        n = users = 0
+        users = n = 0
         while f is not None:
             code = f.f_code
             cid = id(code)
-            o = own.get(cid)
-            if o is None:
-                self._classify(code)
-                o = own[cid]
-            if not o:
+            k = kind.get(cid)
+            if k is None:
+                k = self._classify(code)
+            if k:
                 key.append(cid)
                 key.append(f.f_lineno)
                 n += 1
-                if not lib[cid]:
+                if k == USER:
                     users += 1
-                if (n >= self.depth and users >= self.user_depth) or n >= self.max_depth:
+                    if users >= self.key_users:
+                        break
+                if n >= self.max_key:
                     break
             f = f.f_back
         k = tuple(key)
         sid = self.ids.get(k)
         if sid is None:
             sid = self.ids[k] = len(self.ids) + 1
-            codes = self.codes
-            frames = []
-            for i in range(0, len(k), 2):
-                code = codes[k[i]]
-                frames.append((code.co_filename, k[i + 1], getattr(code, "co_qualname", code.co_name)))
-            events.append((E.DEF_STACK, sid, tuple(frames)))
+            events.append((E.DEF_STACK, sid, self._frames(sys._getframe(skip + 1))))
         return sid
+
+    def _frames(self, f) -> tuple:
+        """The stack from frame f outwards, for a report: ``depth`` frames, more until ``user_depth`` are user
+        code (at most 64)."""
+        kind = self._kind
+        frames = []
+        users = 0
+        while f is not None and len(frames) < 64:
+            code = f.f_code
+            k = kind.get(id(code))
+            if k is None:
+                k = self._classify(code)
+            if k:
+                frames.append((code.co_filename, f.f_lineno, getattr(code, "co_qualname", code.co_name)))
+                users += k == USER
+                if len(frames) >= self.depth and users >= self.user_depth:
+                    break
+            f = f.f_back
+        return tuple(frames)

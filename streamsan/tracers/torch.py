@@ -149,11 +149,21 @@ class _GpuTrace:
                     getattr(t, name)(*args)
             return callback
 
+        def on_alloc(ptr):  # the hottest two, spelled out
+            t = cls.active
+            if t is not None and t.tracing:
+                t._on_alloc(ptr)
+
+        def on_free(ptr):
+            t = cls.active
+            if t is not None and t.tracing:
+                t._on_free(ptr)
+
         gt.register_callback_for_event_deletion(on("_on_event_delete"))
         gt.register_callback_for_event_record(on("_on_event_record"))
         gt.register_callback_for_event_wait(on("_on_event_wait"))
-        gt.register_callback_for_memory_allocation(on("_on_alloc"))
-        gt.register_callback_for_memory_deallocation(on("_on_free"))
+        gt.register_callback_for_memory_allocation(on_alloc)
+        gt.register_callback_for_memory_deallocation(on_free)
         gt.register_callback_for_device_synchronization(on("_on_device_sync"))
         gt.register_callback_for_stream_synchronization(on("_on_stream_sync"))
         gt.register_callback_for_event_synchronization(on("_on_event_sync"))
