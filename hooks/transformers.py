@@ -74,8 +74,8 @@ def _wrap_cache(session, clsname, method, fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         tracer = _tracer(session)
-        if tracer is None:
-            return fn(self, *args, **kwargs)
+        if tracer is None or (tracer.scope == "hooks" and not getattr(self, "offloading", False)):
+            return fn(self, *args, **kwargs)  # hooks scope: a cache without offloading uses no second stream
         layer_idx = _layer_idx(method, args, kwargs)
         _name_streams(tracer, self)
         stack = getattr(_state, "caches", None)
@@ -100,7 +100,7 @@ def _wrap_layer(session, clsname, method, fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         tracer = _tracer(session)
-        if tracer is None:
+        if tracer is None or (tracer.scope == "hooks" and not getattr(_state, "caches", None)):
             return fn(self, *args, **kwargs)
         idx = _index_in_cache(self)
         where = f"layer {idx}" if idx is not None else "layer ?"

@@ -1,13 +1,14 @@
 """The ``streamsan`` command: ``wrap``, ``replay``, ``show``, ``merge``.
 
 Every user error ends with one line ``streamsan: error: ...`` on stderr and an exit code from the table
-from :mod:`streamsan.exitcodes`, never a traceback.
+from :mod:`streamsan.exitcodes`, never a traceback. Options also come from the environment and pyproject.toml
+(:mod:`streamsan.config`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import os
 import shutil
 import sys
@@ -15,15 +16,15 @@ import tempfile
 
 from . import exitcodes as X
 from . import wrap
+from .config import PRECEDENCE, ConfigError, add_arguments, resolve
 from .replay import replay_trace
 from .report.build import version
+from .report.formats import render
 from .report.io import ReportError, check_writable, load_report, write_report
 from .report.merge import merge_reports
-from .report.render_markdown import render_markdown
-from .report.render_text import render_text
+from .status import StatusLine, analysis_progress
+from .suppressions import SuppressionError, apply_suppressions, load_suppressions
 from .trace import TraceError
-
-FORMATS = ("text", "markdown", "json")
 
 
 class UsageError(Exception):
@@ -35,36 +36,62 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
-def render(report: dict, fmt: str) -> str:
-    """The report in one of :data:`FORMATS`."""
-    if fmt == "json":
-        return json.dumps(report, indent=2) + "\n"
-    if fmt == "markdown":
-        return render_markdown(report)
-    return render_text(report)
+class _LogFormatter(logging.Formatter):
+    def format(self, record) -> str:
+        return f"streamsan: {record.levelname.lower()}: {record.getMessage().removeprefix('streamsan: ')}"
+
+
+def _verbose() -> None:
+    """Show the ``streamsan`` logger's diagnostics on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LogFormatter())
+    log = logging.getLogger("streamsan")
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
 
 
 def _race_exit(report: dict, args) -> int:
     return X.RACES if args.fail_on_race and report["races"] else X.OK
 
 
+def _rules(args) -> list:
+    """The suppression rules asked for (read before any long work, so that a bad file fails early)."""
+    return load_suppressions(args.suppressions) if args.suppressions else []
+
+
+def _suppress(report: dict, rules: list) -> dict:
+    return apply_suppressions(report, rules) if rules else report
+
+
 def _finish(report: dict, args, out) -> None:
     """Write the report where asked and print it in the chosen format to ``out``."""
     if args.report:
         write_report(report, args.report)
-    out.write(render(report, args.format))
+    out.write(render(report, args.format, root=os.getcwd()))
     out.flush()
     if args.report:
         print(f"streamsan: report written to {args.report}", file=sys.stderr)
 
 
+def _replay_all(paths: list, status: StatusLine) -> dict:
+    if len(paths) == 1:
+        return replay_trace(paths[0], progress=analysis_progress(status, paths[0], 1, 1))
+    reports = []
+    for i, p in enumerate(paths, 1):
+        found = sum(len(r["races"]) for r in reports)
+        reports.append(replay_trace(p, with_process=True, progress=analysis_progress(status, p, i, len(paths), found)))
+    return merge_reports(reports)
+
+
 def cmd_replay(args) -> int:
     if args.report:
         check_writable(args.report)
-    if len(args.traces) == 1:
-        report = replay_trace(args.traces[0])
-    else:
-        report = merge_reports([replay_trace(t, with_process=True) for t in args.traces])
+    rules = _rules(args)
+    status = StatusLine(sys.stderr)
+    try:
+        report = _suppress(_replay_all(args.traces, status), rules)
+    finally:
+        status.clear()
     _finish(report, args, sys.stdout)
     return _race_exit(report, args)
 
@@ -72,7 +99,8 @@ def cmd_replay(args) -> int:
 def cmd_show(args) -> int:
     report = load_report(args.report_file)
     try:
-        sys.stdout.write(render(report, args.format))
+        report = _suppress(report, _rules(args))
+        sys.stdout.write(render(report, args.format, root=os.getcwd()))
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise ReportError(f"{args.report_file}: malformed report ({type(e).__name__}: {e})") from None
     return _race_exit(report, args)
@@ -98,10 +126,17 @@ def cmd_wrap(args) -> int:
     check_writable(args.report)
     if args.trace:
         check_writable(args.trace, directory_ok=True)
+    rules = _rules(args)
     session_dir = tempfile.mkdtemp(prefix="streamsan-")
+    logging.getLogger("streamsan").debug("session directory %s, command %s", session_dir, cmd)
     try:
         rc = wrap.run_command(cmd, wrap.child_env(session_dir, args.scope))
-        report = wrap.collect_report(session_dir, cmd)
+        wrap.wait_for_writers(session_dir)
+        status = StatusLine(sys.stderr)
+        try:
+            report = _suppress(wrap.collect_report(session_dir, cmd, status), rules)
+        finally:
+            status.clear()
         _finish(report, args, sys.stderr)
         if args.trace:
             try:
@@ -121,48 +156,30 @@ def _parser() -> _Parser:
     p = _Parser(prog="streamsan", description="Run-time CUDA stream race detector for PyTorch and CuPy.",
                 epilog=X.HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"streamsan {version()}")
+    p.add_argument("-v", "--verbose", action="store_true", help="show diagnostics (the 'streamsan' logger)")
     sub = p.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
 
-    def add(name, help_text):
-        return sub.add_parser(name, help=help_text, description=help_text, epilog=X.HELP,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    def add(name, help_text, options, run):
+        sp = sub.add_parser(name, help=help_text, description=help_text, epilog=f"{PRECEDENCE}.\n\n{X.HELP}",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(sp, options)
+        sp.set_defaults(run=run, options=options)
+        return sp
 
-    def fmt(sp, default="text"):
-        sp.add_argument("--format", choices=FORMATS, default=default, help=f"output format (default {default})")
-
-    def fail(sp):
-        sp.add_argument("--fail-on-race", action="store_true",
-                        help=f"exit with {X.RACES} when any race was found")
-
-    w = add("wrap", "run a command with every Python process in it traced, then report")
-    w.add_argument("--report", default="streamsan-report.json", metavar="PATH",
-                   help="where to write the JSON report (default ./streamsan-report.json)")
-    w.add_argument("--trace", metavar="PATH", help="keep the trace file (a directory if several processes)")
-    w.add_argument("--scope", choices=("full", "hooks"), default="full",
-                   help="trace every CUDA op (full) or only inside library hooks (hooks)")
-    fmt(w)
-    fail(w)
+    w = add("wrap", "run a command with every Python process in it traced, then report",
+            ("report", "trace", "scope", "format", "fail_on_race", "suppressions"), cmd_wrap)
     w.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run")
-    w.set_defaults(run=cmd_wrap)
 
-    r = add("replay", "analyze trace files and report")
+    r = add("replay", "analyze trace files and report", ("format", "fail_on_race", "suppressions"), cmd_replay)
     r.add_argument("traces", nargs="+", metavar="TRACE")
     r.add_argument("--report", metavar="PATH", help="also write the JSON report here")
-    fmt(r)
-    fail(r)
-    r.set_defaults(run=cmd_replay)
 
-    s = add("show", "print a JSON report")
+    s = add("show", "print a JSON report in any format", ("format", "fail_on_race", "suppressions"), cmd_show)
     s.add_argument("report_file", metavar="REPORT")
-    fmt(s)
-    fail(s)
-    s.set_defaults(run=cmd_show)
 
-    m = add("merge", "merge JSON reports, deduplicating races by fingerprint")
+    m = add("merge", "merge JSON reports, deduplicating races by fingerprint", ("fail_on_race",), cmd_merge)
     m.add_argument("reports", nargs="+", metavar="REPORT")
     m.add_argument("-o", "--output", required=True, metavar="OUT")
-    fail(m)
-    m.set_defaults(run=cmd_merge)
     return p
 
 
@@ -170,10 +187,14 @@ def main(argv=None) -> int:
     """Run the command line; returns the exit code."""
     try:
         args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+        if args.verbose:
+            _verbose()
+        given = {k: getattr(args, k) for k in args.options}
+        vars(args).update(resolve(given, args.options))
         return args.run(args)
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else X.OK
-    except (UsageError, TraceError, ReportError) as e:
+    except (UsageError, TraceError, ReportError, ConfigError, SuppressionError) as e:
         print(f"streamsan: error: {e}", file=sys.stderr)
         return X.USAGE
     except wrap.CommandError as e:

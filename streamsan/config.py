@@ -18,8 +18,9 @@ from .report.formats import FORMATS
 
 log = logging.getLogger("streamsan")
 
-PRECEDENCE = ("options come from, strongest first: the command line, STREAMSAN_<KEY> environment variables, "
-              "[tool.streamsan] in the nearest pyproject.toml, the defaults shown")
+PRECEDENCE = ("options come from, strongest first: the command line; STREAMSAN_<KEY> environment variables\n"
+              "(STREAMSAN_FAIL_ON_RACE=1); the [tool.streamsan] table of the nearest pyproject.toml\n"
+              "(fail_on_race = true); the defaults shown")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 

@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
+import time
 
 from .exitcodes import NOT_EXECUTABLE, NOT_FOUND
 from .replay import replay_trace
 from .report.environment import collect_environment
 from .report.merge import merge_reports
+from .status import analysis_progress
 from .trace import TraceError
+
+log = logging.getLogger("streamsan")
 
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
 
@@ -87,13 +93,46 @@ def run_command(cmd: list, env: dict) -> int:
         return proc.wait()
 
 
-def collect_report(session_dir: str, cmd: list) -> dict:
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def wait_for_writers(session_dir: str, timeout: float = 5.0) -> None:
+    """Give processes that outlived the command and still write their trace (multiprocessing's resource
+    tracker, a worker finishing) up to ``timeout`` seconds in all to exit."""
+    deadline = time.monotonic() + timeout
+    for path in glob.glob(os.path.join(session_dir, "trace-*.sstrace")):
+        m = re.fullmatch(r"trace-(\d+)\.sstrace", os.path.basename(path))
+        pid = int(m.group(1)) if m else 0
+        while pid and pid != os.getpid() and _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if pid and _alive(pid):
+            log.debug("process %d still runs: its trace may be incomplete", pid)
+
+
+def collect_report(session_dir: str, cmd: list, status=None) -> dict:
     """One report from every trace in the session directory (processes in pid order). A trace that cannot be
-    read at all becomes a problem of the report, not an error."""
+    read at all becomes a problem of the report, not an error. ``status``: a StatusLine to show progress on."""
     reports, problems = [], []
-    for path in sorted(glob.glob(os.path.join(session_dir, "*.sstrace"))):
+    paths = sorted(glob.glob(os.path.join(session_dir, "*.sstrace")))
+    found = 0
+    for i, path in enumerate(paths, 1):
+        name = os.path.basename(path)
+        progress = analysis_progress(status, name, i, len(paths), found) if status is not None else None
         try:
-            reports.append(replay_trace(path, with_process=True, name=os.path.basename(path)))
+            reports.append(replay_trace(path, with_process=True, name=name, progress=progress))
+            found += len(reports[-1]["races"])
         except TraceError as e:
             problems.append(str(e).replace(session_dir + os.sep, ""))
     reports.sort(key=lambda r: r["processes"][0]["pid"] or 0)

@@ -101,3 +101,19 @@ def analyze(events):
     a.feed(events)
     a.finish()
     return a
+
+
+def recorded_too_early() -> list:
+    """device-device despite syncs: prefetch_stream waits for an event the default stream recorded before its
+    write (recorded too early), the default stream waits for prefetch_stream (the wrong direction) and the host
+    synchronizes with the side stream and with prefetch_stream; none orders the write before the read."""
+    return prologue() + [
+        E.alloc(0, 0xA000, 4096, DEFAULT, stack=3, what=WHAT),
+        E.event_record(1, DEFAULT, stack=4),
+        E.op(DEFAULT, "aten::fill_", writes=[(0, 0xA000, 4096)], stack=3),
+        E.event_record(2, PREFETCH), E.event_wait(2, DEFAULT),
+        E.stream_sync(SIDE),
+        E.stream_sync(PREFETCH, stack=7),
+        E.event_wait(1, PREFETCH, stack=6),
+        E.op(PREFETCH, "aten::copy_", reads=[(0, 0xA000, 4096)], writes=[(0, 0xC000, 4096)], stack=2),
+    ]

@@ -85,11 +85,25 @@ def _finding(i: int, r: dict) -> list:
         f"- **Missing edge:** {r['missing_edge']}",
         f"- **Fix:** {r['fix']}",
         f"- **Occurrences:** {r['count']} · fingerprint {_code(r['fingerprint'])}",
-        "",
     ]
+    if r.get("tests"):
+        lines.append(f"- **Tests:** {', '.join(_code(t) for t in r['tests'])}")
+    lines.append("")
     lines += _stack_block(f"Stack of the later access: {action(cur)} at {cur['location']}", cur)
     lines += _stack_block(f"Stack of the earlier access: {action(prev)} at {prev['location']}", prev)
     return lines
+
+
+def _suppressed(items: list) -> list:
+    if not items:
+        return []
+    lines = [f"### Suppressed ({len(items)})", "", "| Kind | Later access | Count | Rule | Reason |",
+             "|---|---|---:|---|---|"]
+    for r in items:
+        rule = r["suppression"]
+        lines.append(f"| {r['kind']} | {_cell(_access_short(r['access']))} | {r['count']} | "
+                     f"{_cell(_code(rule['rule']))} | {_cell(escape(rule['reason']))} |")
+    return lines + [""]
 
 
 def _environment(report: dict) -> list:
@@ -121,6 +135,7 @@ def render_markdown(report: dict) -> str:
         lines.append("")
         for i, r in enumerate(races, 1):
             lines += _finding(i, r)
+    lines += _suppressed(report.get("suppressed", []))
     if report.get("notes"):
         lines += ["### Notes", ""] + [f"- {n['level']}: {escape(n['text'])}" for n in report["notes"]] + [""]
     lines += _environment(report)

@@ -7,17 +7,20 @@ from html import escape
 
 from .timeline import Picture, lane_label
 
-LABEL_W, COL_W, LANE_H, TOP = 200, 150, 64, 26
-SIZES = {"earlier": (132, 36), "later": (132, 36)}
-SYNC_SIZE = (116, 24)
+LABEL_W, COL_W, LANE_H, TOP = 170, 132, 64, 26
+SIZES = {"earlier": (120, 38), "later": (120, 38)}
+SYNC_SIZE = (106, 24)
 COLORS = {"earlier": ("#dbeafe", "#1d4ed8"), "later": ("#ffedd5", "#c2410c")}
 SYNC_COLORS = ("#f3f4f6", "#6b7280")
 EDGE, MISSING = "#374151", "#dc2626"
 
 
-def _fit(text: str, width: int, px: float = 6.3) -> str:
+def _fit(text: str, width: int, px: float = 6.3, tail: bool = False) -> str:
+    """Text cut to about ``width`` pixels (``px`` per character): its end kept when ``tail`` (file:line)."""
     n = max(4, int(width / px))
-    return text if len(text) <= n else text[:n - 1] + "…"
+    if len(text) <= n:
+        return text
+    return "…" + text[-(n - 1):] if tail else text[:n - 1] + "…"
 
 
 def _center(lane: int, x: int) -> tuple:
@@ -43,7 +46,8 @@ def render_svg(pic: Picture, uid: str) -> str:
     width = LABEL_W + pic.columns * COL_W + 16
     height = TOP + len(pic.lanes) * LANE_H + 8
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="ss-timeline" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="timeline of the two racing operations">',
+           f'viewBox="0 0 {width} {height}" style="max-width:100%;height:auto" role="img" '
+           'aria-label="timeline of the two racing operations">',
            "<defs>"]
     for name, color in (("a", EDGE), ("m", MISSING)):
         out.append(f'<marker id="ss-{name}{uid}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
@@ -53,10 +57,15 @@ def render_svg(pic: Picture, uid: str) -> str:
     out.append(f'<text x="{width - 12}" y="14" text-anchor="end" font-size="11" fill="#6b7280">trace order →</text>')
     for i, agent in enumerate(pic.lanes):
         _, y = _center(i, 0)
-        label = lane_label(agent)
+        name = "host" if agent["kind"] == "host" else agent.get("role") or "stream"
+        sub = "" if agent["kind"] == "host" else f"{agent['stream']}" + (
+            f" · cuda:{agent['device']}" if agent.get("device") is not None else "")
         out.append(f'<line x1="{LABEL_W - 8}" y1="{y}" x2="{width - 8}" y2="{y}" stroke="#d1d5db"/>')
-        out.append(f'<text x="8" y="{y + 4}" font-size="12" font-weight="600" fill="#111827">'
-                   f'<title>{escape(label)}</title>{escape(_fit(label, LABEL_W - 20, 7))}</text>')
+        out.append(f'<text x="8" y="{y + (0 if sub else 4)}" font-size="12" font-weight="600" fill="#111827">'
+                   f'<title>{escape(lane_label(agent))}</title>{escape(_fit(name, LABEL_W - 20, 7.2))}</text>')
+        if sub:
+            out.append(f'<text x="8" y="{y + 14}" font-size="10" fill="#6b7280">{escape(_fit(sub, LABEL_W - 20))}'
+                       "</text>")
     boxes = {(s.lane, s.x): _box(s) for s in pic.steps}
     for e in pic.edges:
         (x1, y1), (x2, y2) = _end(e.src, boxes, e.dst), _end(e.dst, boxes, e.src)
@@ -79,7 +88,7 @@ def render_svg(pic: Picture, uid: str) -> str:
             out.append(f'<text x="{cx}" y="{cy - 3}" text-anchor="middle" font-size="11" font-weight="600" '
                        f'fill="#111827">{escape(_fit(s.label, w - 8))}</text>'
                        f'<text x="{cx}" y="{cy + 11}" text-anchor="middle" font-size="10" fill="#374151">'
-                       f'{escape(_fit(s.where, w - 8, 5.8))}</text>')
+                       f'{escape(_fit(s.where, w - 8, 5.8, tail=True))}</text>')
         else:
             out.append(f'<text x="{cx}" y="{cy + 4}" text-anchor="middle" font-size="10" fill="#111827">'
                        f'{escape(_fit(s.label, w - 8, 5.8))}</text>')

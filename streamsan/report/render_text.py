@@ -25,11 +25,30 @@ def access_text(a: dict) -> str:
     return f"{action(a)} on {agent_text(agent)}{handle} at {a['location']}{ctx}"
 
 
+def finding_text(i: int, r: dict) -> str:
+    """The one-paragraph summary of the ``i``-th finding (no trailing newline)."""
+    return "\n".join([
+        f"[{i}] {r['kind']} x{r['count']} on {memory_text(r['memory'])}",
+        f"    earlier: {access_text(r['previous_access'])}",
+        f"    later:   {access_text(r['access'])}",
+        f"    fix: {r['fix']}",
+    ])
+
+
+def suppressed_text(r: dict) -> str:
+    """``streamsan: suppressed: device-device x3 at run.py:7 by kind:device-device (known bug)``."""
+    rule = r["suppression"]
+    return (f"streamsan: suppressed: {r['kind']} x{r['count']} at {r['access']['location']} by {rule['rule']} "
+            f"({rule['reason']})")
+
+
 def totals_text(report: dict) -> str:
     s = report["summary"]
     scope = f"{s['events']} events, {s['ops']} stream ops, {s['streams']} streams"
     if s.get("processes", 0) > 1:
         scope += f", {s['processes']} processes"
+    if s.get("suppressed"):
+        scope += f"; {s['suppressed']} suppressed"
     if not s["races"]:
         return f"streamsan: no races found ({scope})."
     kinds = ", ".join(f"{n} {k}" for k, n in s["by_kind"].items() if n)
@@ -45,12 +64,7 @@ def render_text(report: dict) -> str:
         lines += [f"streamsan: warning: the report is incomplete: {p}" for p in problems]
     for n in report.get("notes", []):
         lines.append(f"streamsan: {n['level']}: {n['text']}")
+    lines += [suppressed_text(r) for r in report.get("suppressed", [])]
     for i, r in enumerate(report["races"], 1):
-        lines += [
-            "",
-            f"[{i}] {r['kind']} x{r['count']} on {memory_text(r['memory'])}",
-            f"    earlier: {access_text(r['previous_access'])}",
-            f"    later:   {access_text(r['access'])}",
-            f"    fix: {r['fix']}",
-        ]
+        lines += ["", finding_text(i, r)]
     return "\n".join(lines) + "\n"

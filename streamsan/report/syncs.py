@@ -81,19 +81,24 @@ def _item(analyzer, i: tuple) -> dict:
 
 def collect_timelines(batches, analyzer) -> dict:
     """``{fingerprint: timeline}`` for the analyzer's findings, from the batches it was fed (again)."""
-    windows = [_Window(analyzer, f) for f in analyzer.findings.values()]
+    windows = sorted((_Window(analyzer, f) for f in analyzer.findings.values()), key=lambda w: w.lo)
     if not windows:
         return {}
     end = max(w.hi for w in windows)
     records: dict[int, tuple] = {}
+    active: list = []  # the windows open at seq
+    started = 0
     seq = 0
     for batch in batches:
         for ev in batch:
             k = ev[0]
             if k in _TYPES:
-                for w in windows:
-                    if w.lo < seq < w.hi:
-                        w.consider(seq, ev, records)
+                while started < len(windows) and windows[started].lo < seq:
+                    active.append(windows[started])
+                    started += 1
+                active = [w for w in active if seq < w.hi]
+                for w in active:
+                    w.consider(seq, ev, records)
                 if k == E.EVENT_RECORD:
                     records[ev[1]] = (seq, ev[2], ev[3])
             seq += 1

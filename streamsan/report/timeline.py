@@ -57,8 +57,8 @@ def _sync_label(s: dict) -> str:
     if t == "device-sync":
         return f"device sync cuda:{s['device']}"
     if t == "stream-sync":
-        return f"synchronize {lane_label(s['waits_for'])}"
-    return "free (earlier life)"
+        return "synchronize()"
+    return "free (old life)"
 
 
 def picture(race: dict) -> Picture:

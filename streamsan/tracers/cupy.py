@@ -97,6 +97,7 @@ from ..stacks import StackTable
 _active = None  # the running CupyTracer: every patch routes through it (and passes through when None)
 
 MIN_CUPY = (13, 0)
+MAX_FRESH_STREAMS = 256  # new streams that get a new agent even if their handle was used before (bounds agent ids)
 
 # Events fired inside a traced call that belong before the call's OP (everything else goes after it).
 _PRE = frozenset({E.STREAM, E.DEF_STACK, E.DEF_CONTEXT, E.ALLOC, E.FREE, E.LABEL, E.NOTE})
@@ -337,6 +338,7 @@ class CupyTracer:
         self._prev_profile = None
         self._profile = None
         self._ns_done: set = set()
+        self._fresh_streams = 0
         self.cp = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -444,6 +446,21 @@ class CupyTracer:
         except Exception:
             return None
 
+    def _new_stream(self, dev: int, handle: int, flags) -> None:
+        """A stream was just created with this handle. A destroyed stream may have had it, and its work may still
+        run: the new stream gets a new agent (up to MAX_FRESH_STREAMS of them; later ones reuse the agent, so a
+        race between a destroyed stream's last work and its successor's first work would be missed)."""
+        if (dev, handle) in self.agent_of:
+            if self._fresh_streams >= MAX_FRESH_STREAMS:
+                if self._fresh_streams == MAX_FRESH_STREAMS:
+                    self._fresh_streams += 1
+                    self._trouble(f"more than {MAX_FRESH_STREAMS} CUDA streams were created and destroyed: "
+                                  "streams that reuse a destroyed stream's handle now share its agent")
+                return
+            self._fresh_streams += 1
+            self.streams.forget(dev, handle)
+        self._agent(dev, handle, flags)
+
     def _current(self):
         dev = self._getDevice()
         h = self._get_current_stream().ptr
@@ -472,7 +489,7 @@ class CupyTracer:
     def owns(obj) -> bool:
         """Whether an object (stream, array) is CuPy's (or a pinned NumPy view of ours)."""
         mod = type(obj).__module__ or ""
-        return mod.startswith(("cupy", "cupyx")) or isinstance(obj, _pinned_types())
+        return mod.startswith(("cupy", "cupyx", "numpy")) or isinstance(obj, _pinned_types())
 
     def label(self, array, text: str) -> None:
         if isinstance(array, self._ndarray):
@@ -529,7 +546,7 @@ class CupyTracer:
         except Exception as e:
             self._trouble(f"{name}: {type(e).__name__}: {e}")
             res = None
-        if res is not None or pre:
+        if pre or (res is not None and (res[0] or res[1] or res[2])):
             self._place(evs, mark, agent, name, res, self._cur_stack(), pre)
         tl.stack = 0
         if len(buf.events) >= buf.batch:
@@ -638,11 +655,12 @@ class CupyTracer:
 
     # ------------------------------------------------------------------ analyses (args, kwargs, out, pre)
     def _generic(self, args, kwargs, out, inplace=()):
+        """Array arguments read, in-place targets and ``out=`` written, new result arrays written; None for a
+        call that only made views of its arguments."""
+        if out is NotImplemented:
+            return None
         nd = self._ndarray
         np_nd = self._numpy.ndarray
-        rng = self._range
-        reads, writes = [], []
-        mems = set()
         written = set()
         for pos in inplace:
             v = args[pos] if pos < len(args) else None
@@ -654,45 +672,37 @@ class CupyTracer:
                 for v in (o if isinstance(o, (tuple, list)) else (o,)):
                     if isinstance(v, nd):
                         written.add(id(v))
-
-        def visit(v):
-            if isinstance(v, nd):
-                mems.add(id(v.data.mem))
-                r = rng(v)
-                if r is not None:
-                    (writes if id(v) in written else reads).append(r)
-            elif isinstance(v, np_nd):
-                r = self._np_range(v)
-                if r is not None:
-                    reads.append(r)
-
-        for v in args:
-            if isinstance(v, (tuple, list)):
-                for x in v:
-                    visit(x)
-            else:
-                visit(v)
-        for v in kwargs.values():
-            if isinstance(v, (tuple, list)):
-                for x in v:
-                    visit(x)
-            else:
-                visit(v)
-        if out is NotImplemented:
-            return None
-        fresh = {}
+        arrays = []
+        hosts = []
+        for v in (*args, *kwargs.values()):
+            for x in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(x, nd):
+                    arrays.append(x)
+                elif isinstance(x, np_nd):
+                    hosts.append(x)
+        mems = {id(a.data.mem) for a in arrays}
         results = [out] if isinstance(out, nd) else (
             [x for x in out if isinstance(x, nd)] if isinstance(out, (tuple, list)) else [])
-        for r in results:
-            mem = r.data.mem
-            if id(mem) in mems or type(mem).__name__ in ("UnownedMemory", "DLPackMemory"):
-                continue
-            rr = rng(r)
-            if rr is not None:
-                writes.append(rr)
-                fresh[mem.ptr] = describe(r)
-        if not writes and results:
+        fresh_arrays = [r for r in results if id(r.data.mem) not in mems
+                        and type(r.data.mem).__name__ not in ("UnownedMemory", "DLPackMemory")]
+        if results and not fresh_arrays and not written:
             return None  # views of the arguments: metadata only
+        rng = self._range
+        reads, writes = [], []
+        for a in arrays:
+            r = rng(a)
+            if r is not None:
+                (writes if id(a) in written else reads).append(r)
+        for h in hosts:
+            r = self._np_range(h)
+            if r is not None:
+                reads.append(r)
+        fresh = {}
+        for a in fresh_arrays:
+            r = rng(a)
+            if r is not None:
+                writes.append(r)
+                fresh[a.data.mem.ptr] = describe(a)
         return reads, writes, 0, fresh
 
     def _setitem(self, args, kwargs, out, pre):
@@ -837,7 +847,7 @@ class CupyTracer:
         self.buffer.events.append((E.ALLOC, device_id, ptr, size, a, self._stack(3), self.ctx, ""))
 
     def _on_free(self, device_id, ptr) -> None:
-        if self.live.pop((device_id, ptr), None) is None:
+        if self.live.pop((device_id, ptr), None) is None or not self.running:
             return
         self.buffer.events.append((E.FREE, device_id, ptr, 0))
 
@@ -907,8 +917,7 @@ class CupyTracer:
                     h = int(s.ptr)
                     if h > 2:  # a new CUDA stream: a new agent, even if a destroyed stream had its handle
                         dev = s.device_id if s.device_id >= 0 else t._getDevice()
-                        t.streams.forget(dev, h)
-                        t._agent(dev, h)
+                        t._new_stream(dev, h, None)
             return functools.wraps(orig)(__init__)
 
         def m_erecord(orig):
@@ -1011,9 +1020,7 @@ class CupyTracer:
             def f(*args):
                 h = orig(*args)
                 if t.running and int(h) > 2:
-                    dev = t._getDevice()
-                    t.streams.forget(dev, int(h))
-                    t._agent(dev, int(h), flags_of(args))
+                    t._new_stream(t._getDevice(), int(h), flags_of(args))
                 return h
             return f
 

@@ -18,6 +18,7 @@ blocking copy) are placed around the op's own event so that allocations precede 
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -117,7 +118,14 @@ def describe(t) -> str:
 
 
 class _Mode(TorchDispatchMode):
-    """The dispatch mode; all work is in :meth:`TorchTracer._dispatch`."""
+    """The dispatch mode; all work is in :meth:`TorchTracer._dispatch`.
+
+    PyTorch wraps a mode's ``__torch_dispatch__`` so that Dynamo never compiles it, at a cost of about a
+    microsecond per op. streamsan skips that wrapper until Dynamo is in use (:func:`_dynamo_safe`)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
     def __init__(self, tracer):
         super().__init__()
@@ -127,6 +135,15 @@ class _Mode(TorchDispatchMode):
         if not self.tracer.tracing:
             return func(*args, **(kwargs or {}))
         return self.tracer._dispatch(func, args, kwargs or {})
+
+
+def _dynamo_safe() -> None:
+    """Wrap the mode's dispatch so that Dynamo does not compile it (once torch.compile is in use)."""
+    raw = _Mode.__dict__["__torch_dispatch__"]
+    if not getattr(raw, "_streamsan_dynamo_safe", False):
+        safe = torch._disable_dynamo(raw, recursive=True)
+        safe._streamsan_dynamo_safe = True
+        _Mode.__torch_dispatch__ = safe
 
 
 class _GpuTrace:
@@ -191,6 +208,7 @@ class TorchTracer:
         self.saw_cuda = False
         self.running = False
         self.tracing = False  # running, and not inside a CUDA graph capture
+        self.in_scope = 1 if scope == "full" else 0  # hooks scope: inside hooked regions (any thread)
         self._modes: list = []
         self._noted: set[str] = set()
         self.on_note = None  # the session's note function (also tells the user once); else a NOTE event
@@ -199,7 +217,10 @@ class TorchTracer:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        _GpuTrace.install()
+        if "torch._dynamo" in sys.modules:
+            _dynamo_safe()
+        if self.scope == "full":
+            _GpuTrace.install()
         _GpuTrace.active = self
         self.running = self.tracing = True
         self._patch()
@@ -257,12 +278,16 @@ class TorchTracer:
             self.buffer.events.append((E.LABEL, r[0], base, tensor.untyped_storage().nbytes(), text))
 
     def push_context(self, text: str) -> int:
+        """Enter a hooked region: its accesses carry ``text`` as context; in hooks scope, tracing is on inside
+        (and PyTorch's GPU trace callbacks get activated at the first region)."""
         prev = self.ctx
         self.ctx = self.buffer.context_id(text)
         if self.scope == "hooks":
             depth = getattr(self._scope_depth, "n", 0)
             self._scope_depth.n = depth + 1
             if depth == 0 and self.running:
+                _GpuTrace.install()
+                self.in_scope += 1
                 self._enter_mode()
         return prev
 
@@ -272,6 +297,7 @@ class TorchTracer:
             depth = self._scope_depth.n - 1
             self._scope_depth.n = depth
             if depth == 0 and self._modes:
+                self.in_scope -= 1
                 self._modes.pop().__exit__(None, None, None)
 
     # ------------------------------------------------------------------ GPU trace callbacks
@@ -302,11 +328,16 @@ class TorchTracer:
     def _on_alloc(self, ptr):
         cur = self.op_agent
         if cur is None:
+            if not self.in_scope:
+                return
             dev = _cuda_get_device()
             cur = (dev, self.agent(dev, _cuda_raw_stream(dev)), 0, 0)
-        dev, a, stack, ctx = cur
+            self.live_device[ptr] = dev
+            self._emit((E.ALLOC, dev, ptr, 0, cur[1], 0, 0, ""))
+            return
+        dev = cur[0]
         self.live_device[ptr] = dev
-        self._emit((E.ALLOC, dev, ptr, 0, a, stack, ctx, ""))
+        self.buffer.events.append((E.ALLOC, dev, ptr, 0, cur[1], cur[2], cur[3], ""))
 
     def _on_free(self, ptr):
         dev = self.live_device.pop(ptr, None)
@@ -391,6 +422,7 @@ class TorchTracer:
             def compile(*a, **k):
                 tracer._note_once("compile", "torch.compile: kernels of compiled graphs (Triton, fused ops) are "
                                              "not analyzed; their eager fallbacks are")
+                _dynamo_safe()
                 return compile_fn(*a, **k)
 
             compile.__wrapped__ = compile_fn
@@ -627,10 +659,18 @@ class TorchTracer:
     def _place(self, evs, mark, op, out, pre=()) -> None:
         """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the op,
         then everything else (a blocking copy's synchronization, the pinned allocator's event record)."""
+        sizes = self._output_blocks(out)
+        if not pre and all(ev[0] == E.ALLOC for ev in evs[mark:]):  # the common case: only allocations
+            for i in range(mark, len(evs)):
+                ev = evs[i]
+                if ev[3] == 0 and ev[2] in sizes:
+                    size, what = sizes[ev[2]]
+                    evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or op[5], ev[6] or op[6], what)
+            evs.append(op)
+            return
         inner = evs[mark:]
         del evs[mark:]
         evs.extend(pre)
-        sizes = self._output_blocks(out)
         after = []
         for ev in inner:
             if ev[0] == E.ALLOC:

@@ -1,0 +1,176 @@
+"""Configuration: defaults, [tool.streamsan] in the nearest pyproject.toml, STREAMSAN_* variables, the command
+line, in that order of strength; the TOML subset reader for Python 3.10; `wrap --help`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+for _p in (str(_HERE.parent), str(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from streamsan import exitcodes, minitoml  # noqa: E402
+from streamsan.cli import main  # noqa: E402
+from streamsan.config import OPTIONS, ConfigError, find_pyproject, read_pyproject, resolve  # noqa: E402
+from test_cli import write_trace  # noqa: E402
+import report_scenarios as S  # noqa: E402
+
+KEYS = tuple(OPTIONS)
+DEFAULTS = {"report": "streamsan-report.json", "trace": None, "scope": "full", "fail_on_race": False,
+            "suppressions": None, "format": "text"}
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """An empty project directory (cwd) with a subdirectory, and no STREAMSAN_* variables."""
+    for o in OPTIONS.values():
+        monkeypatch.delenv(o.env, raising=False)
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    return tmp_path
+
+
+def test_every_option_and_its_default():
+    assert {k: o.default for k, o in OPTIONS.items()} == DEFAULTS
+    assert [o.env for o in OPTIONS.values()] == ["STREAMSAN_REPORT", "STREAMSAN_TRACE", "STREAMSAN_SCOPE",
+                                                 "STREAMSAN_FAIL_ON_RACE", "STREAMSAN_SUPPRESSIONS",
+                                                 "STREAMSAN_FORMAT"]
+
+
+def test_defaults_without_pyproject_or_environment(project):
+    assert resolve({}, KEYS, environ={}) == DEFAULTS
+
+
+def test_precedence_command_line_over_environment_over_pyproject(project):
+    (project / "pyproject.toml").write_text(
+        '[project]\nname = "x"\n\n[tool.streamsan]\nformat = "markdown"\nscope = "hooks"\nfail_on_race = true\n'
+        'report = "reports/r.json"  # relative to this file\nsuppressions = \'streamsan.supp\'\n\n[tool.other]\n'
+        'format = "ignored"\n')
+    env = {"STREAMSAN_FORMAT": "json", "STREAMSAN_FAIL_ON_RACE": "0", "STREAMSAN_TRACE": ""}
+    got = resolve({"format": "sarif", "trace": None}, KEYS, environ=env)
+    assert got == {"report": str(project / "reports/r.json"), "trace": None, "scope": "hooks",
+                   "fail_on_race": False, "suppressions": str(project / "streamsan.supp"), "format": "sarif"}
+    assert resolve({}, ("format",), environ=env) == {"format": "json"}
+    assert resolve({}, ("format",), environ={}) == {"format": "markdown"}
+
+
+def test_the_nearest_pyproject_wins_even_without_a_streamsan_table(project):
+    (project / "pyproject.toml").write_text('[tool.streamsan]\nformat = "html"\n')
+    assert find_pyproject(str(project / "sub")) == str(project / "pyproject.toml")
+    assert resolve({}, ("format",), environ={}) == {"format": "html"}
+    (project / "sub" / "pyproject.toml").write_text('[project]\nname = "inner"\n')
+    assert find_pyproject(str(project / "sub")) == str(project / "sub" / "pyproject.toml")
+    assert resolve({}, ("format",), environ={}) == {"format": "text"}
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"STREAMSAN_FAIL_ON_RACE": "maybe"},
+     "STREAMSAN_FAIL_ON_RACE: expected one of 1, true, yes, on, 0, false, no, off, got 'maybe'"),
+    ({"STREAMSAN_SCOPE": "partial"}, "STREAMSAN_SCOPE: expected one of full, hooks, got 'partial'"),
+    ({"STREAMSAN_FORMAT": "xml"},
+     "STREAMSAN_FORMAT: expected one of text, markdown, json, sarif, html, perfetto, got 'xml'"),
+])
+def test_bad_environment_values(project, env, message):
+    with pytest.raises(ConfigError) as e:
+        resolve({}, KEYS, environ=env)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("table,message", [
+    ("fail_on_race = 1", "[tool.streamsan] fail_on_race: expected true or false, got 1"),
+    ('scope = "partial"', "[tool.streamsan] scope: expected one of full, hooks, got 'partial'"),
+    ('report = ""', "[tool.streamsan] report: expected a non-empty string, got ''"),
+    ('colour = "red"', "[tool.streamsan]: unknown key 'colour' (known: report, trace, scope, fail_on_race, "
+                       "suppressions, format)"),
+])
+def test_bad_pyproject_values(project, table, message):
+    path = project / "pyproject.toml"
+    path.write_text(f"[tool.streamsan]\n{table}\n")
+    with pytest.raises(ConfigError) as e:
+        read_pyproject(str(path))
+    assert str(e.value) == f"{path}: {message}"
+
+
+def test_invalid_toml_is_one_line(project):
+    path = project / "pyproject.toml"
+    path.write_text("[tool.streamsan\nformat = \n")
+    with pytest.raises(ConfigError) as e:
+        read_pyproject(str(path))
+    assert str(e.value).startswith(f"{path}: invalid TOML: ") and "\n" not in str(e.value)
+
+
+def test_cli_reads_the_configuration(project, capsys):
+    trace = write_trace(project / "t.sstrace", [S.pinned_d2h_then_h2d()])
+    (project / "pyproject.toml").write_text('[tool.streamsan]\nformat = "json"\nfail_on_race = true\n')
+    code = main(["replay", str(trace)])
+    out, _ = capsys.readouterr()
+    assert code == exitcodes.RACES and json.loads(out)["summary"]["races"] == 1
+    code = main(["replay", str(trace), "--format", "text", "--no-fail-on-race"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and out.startswith("streamsan: 1 race found, 1 occurrences")
+
+
+def test_cli_config_errors_are_one_line(project, capsys, monkeypatch):
+    monkeypatch.setenv("STREAMSAN_FORMAT", "xml")
+    code = main(["show", "r.json"])
+    assert code == exitcodes.USAGE
+    assert capsys.readouterr().err == ("streamsan: error: STREAMSAN_FORMAT: expected one of text, markdown, json, "
+                                       "sarif, html, perfetto, got 'xml'\n")
+
+
+def test_wrap_help_shows_every_option_with_its_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps at the terminal's width, breaking at hyphens
+    assert main(["wrap", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for o in OPTIONS.values():
+        assert f"{o.flag}" in out
+        assert f"(default: {o.default_text()}; env {o.env})" in out
+    assert "--fail-on-race, --no-fail-on-race" in out
+    assert ("options come from, strongest first: the command line; STREAMSAN_<KEY> environment variables "
+            "(STREAMSAN_FAIL_ON_RACE=1); the [tool.streamsan] table of the nearest pyproject.toml "
+            "(fail_on_race = true); the defaults shown.") in out
+
+
+# ---------------------------------------------------------------- the TOML subset (Python 3.10 without tomli)
+def test_minitoml_reads_the_table():
+    text = ('# top\n[project]\nname = "x"\ndependencies = [\n  "a",\n]\n\n[ tool . streamsan ]  # ours\n'
+            'report = "out/r.json"  # where\ntrace = \'C:\\traces\\x\'\nfail_on_race = true\nscope="hooks"\n'
+            'n = -3\nesc = "a\\"b\\\\c\\n"\n\n[tool.streamsan.extra]\nformat = "no"\n')
+    assert minitoml.table(text, ("tool", "streamsan")) == {
+        "report": "out/r.json", "trace": "C:\\traces\\x", "fail_on_race": True, "scope": "hooks", "n": -3,
+        "esc": 'a"b\\c\n'}
+    assert minitoml.table("[project]\nname = 'x'\n", ("tool", "streamsan")) is None
+    assert minitoml.table("[tool.streamsan]\n[[tool.other]]\nx = 1\n", ("tool", "streamsan")) == {}
+
+
+@pytest.mark.parametrize("line,message", [
+    ("format = [1, 2]", "line 2: unsupported value '[1, 2]' (install tomli to read it)"),
+    ("just words", "line 2: expected key = value, got 'just words'"),
+])
+def test_minitoml_errors(line, message):
+    with pytest.raises(ValueError) as e:
+        minitoml.table(f"[tool.streamsan]\n{line}\n", ("tool", "streamsan"))
+    assert str(e.value) == message
+
+
+def test_minitoml_agrees_with_tomllib():
+    tomllib = pytest.importorskip("tomllib")
+    text = '[tool.streamsan]\nreport = "r.json"\nfail_on_race = false\nformat = \'sarif\'  # c\n'
+    assert minitoml.table(text, ("tool", "streamsan")) == tomllib.loads(text)["tool"]["streamsan"]
+
+
+def test_config_falls_back_to_minitoml(project, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tomllib", None)
+    monkeypatch.setitem(sys.modules, "tomli", None)
+    path = project / "pyproject.toml"
+    path.write_text('[tool.streamsan]\nformat = "perfetto"\n')
+    assert read_pyproject(str(path)) == {"format": "perfetto"}
+    path.write_text("[tool.streamsan]\nformat = [1]\n")
+    with pytest.raises(ConfigError) as e:
+        read_pyproject(str(path))
+    assert str(e.value) == f"{path}: invalid TOML: line 2: unsupported value '[1]' (install tomli to read it)"
