@@ -1,4 +1,4 @@
-"""Replay traces recorded on an H200 by tests/gpu/test_torch_scenarios.py and check the same exact findings.
+"""Replay traces recorded on an H200 by tests/gpu/test_{torch,cupy}_scenarios.py: the same exact findings.
 
 The traces are real PyTorch programs (torch 2.11, CUDA 13); CI has no GPU, so this is how it checks the whole
 path from a live program's events to findings.
@@ -12,7 +12,8 @@ import pytest
 from streamsan.replay import replay_trace
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
-EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
+EXPECTED = {**json.loads((FIXTURES / "expected.json").read_text()),  # tests/gpu/test_torch_scenarios.py
+            **json.loads((FIXTURES / "expected_cupy.json").read_text())}  # tests/gpu/test_cupy_scenarios.py
 
 
 def summarize(report):
