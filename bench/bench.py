@@ -13,8 +13,8 @@ Modes: ``plain``; ``floor`` (a TorchDispatchMode that only calls the op); ``reco
 trace file, as each process under ``streamsan wrap`` does; the analysis runs afterwards in the wrapping process);
 ``full`` (streamsan.watch(): tracing plus in-process analysis); ``hooks`` (``--scope hooks``: only inside the
 transformers cache hooks); ``csan`` (torch.cuda._sanitizer). GPU trace callbacks, once activated, stay on for the
-process, so each workload runs in its own process with the modes in that order and CSAN last. Each mode: one
-warm-up, then the median of ``--runs`` (CSAN: one timed run).
+process, so each workload runs in its own process: plain and floor interleaved over ``--runs`` rounds, then
+streamsan's modes interleaved, then CSAN (one timed run); one warm-up run each; medians.
 Prints one table: each mode's time and its ratio to plain, to the floor and to CSAN.
 """
 
@@ -103,43 +103,62 @@ def micro_workload(n_ops=100_000, n_streams=4):
     return run
 
 
-def timed(fn, runs):
+def timed(fn):
+    t0 = time.perf_counter()
     fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time.perf_counter() - t0
 
 
-def measure(mode, fn, runs, tmp):
-    if mode == "plain":
-        return timed(fn, runs)
-    if mode == "floor":
-        with NoOp():
-            return timed(fn, runs)
-    if mode == "record":
-        s = Session(trace_path=os.path.join(tmp, "bench.sstrace"), analyze=False).start()
-        try:
-            return timed(fn, runs)
-        finally:
-            s.stop()
-    if mode in ("full", "hooks"):
-        with streamsan.watch(scope="full" if mode == "full" else "hooks"):
-            return timed(fn, runs)
-    if mode == "csan":
-        import torch.cuda._sanitizer as csan
+class Mode:
+    """A measuring mode: ``enter()`` / ``exit()`` around timed runs."""
 
-        sanitizer = csan.CUDASanitizer()
-        sanitizer.enable()
-        try:
-            return timed(fn, runs)
-        except csan.CUDASanitizerErrors:
-            return float("nan")
-        finally:
-            sanitizer.disable()
-    raise ValueError(mode)
+    def __init__(self, name, tmp):
+        self.name = name
+        self.tmp = tmp
+        self.ctx = None
+
+    def enter(self):
+        if self.name == "floor":
+            self.ctx = NoOp()
+            self.ctx.__enter__()
+        elif self.name == "record":
+            self.ctx = Session(trace_path=os.path.join(self.tmp, f"bench-{time.time_ns()}.sstrace"),
+                               analyze=False).start()
+        elif self.name in ("full", "hooks"):
+            self.ctx = streamsan.watch(scope="full" if self.name == "full" else "hooks").start()
+        elif self.name == "csan":
+            import torch.cuda._sanitizer as csan
+
+            self.ctx = csan.CUDASanitizer()
+            self.ctx.enable()
+
+    def exit(self):
+        if self.ctx is None:
+            return
+        if self.name == "floor":
+            self.ctx.__exit__(None, None, None)
+        elif self.name == "csan":
+            self.ctx.disable()
+        else:
+            self.ctx.stop()
+        self.ctx = None
+
+
+def measure_rounds(names, fn, rounds, tmp):
+    """Interleave the modes over ``rounds`` rounds (after one warm-up each) and take each mode's median, so that
+    drifts of the machine hit every mode alike."""
+    times = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for n in names:
+            m = Mode(n, tmp)
+            m.enter()
+            try:
+                t = timed(fn)
+            finally:
+                m.exit()
+            if r:
+                times[n].append(t)
+    return {n: statistics.median(v) for n, v in times.items()}
 
 
 WORKLOADS = ("decode", "decode_offload", "micro", "big_decode", "big_prefill")
@@ -158,12 +177,17 @@ def run_workload(w, modes, runs, big_runs):
         runs = big_runs
     else:
         raise SystemExit(f"unknown workload {w}")
-    res = {}
-    for m in modes:
-        if m == "hooks" and w in ("micro", "big_prefill"):
-            continue  # no hooked library code runs there
-        res[m] = measure(m, fn, 1 if m == "csan" else runs, tmp)
-        print(f"  {w:15s} {m:7s} {res[m]:8.3f}s", file=sys.stderr, flush=True)
+    skip = {"hooks"} if w in ("micro", "big_prefill") else set()  # no hooked library code runs there
+    # PyTorch's GPU trace callbacks stay on once streamsan or CSAN turned them on: plain and floor first, then
+    # streamsan's modes, CSAN (whose callbacks cannot be removed) last, with a single timed run.
+    before = [m for m in modes if m in ("plain", "floor")]
+    after = [m for m in modes if m in ("hooks", "record", "full") and m not in skip]
+    res = measure_rounds(before, fn, runs, tmp)
+    res.update(measure_rounds(after, fn, runs, tmp))
+    if "csan" in modes:
+        res.update(measure_rounds(["csan"], fn, 1, tmp))
+    for m, t in res.items():
+        print(f"  {w:15s} {m:7s} {t:8.3f}s", file=sys.stderr, flush=True)
     return res
 
 

@@ -42,11 +42,20 @@ def line_of(marker: str) -> int:
     return next(i for i, text in enumerate(INNER.splitlines(), 1) if marker in text)
 
 
+def plugin_args():
+    """Load the plugin by module when this environment did not register the pytest11 entry point (an editable
+    install that only put the source tree on the path)."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="pytest11")}
+    return () if "streamsan" in names else ("-p", "streamsan.pytest_plugin")
+
+
 def test_pytest_streamsan_fails_the_racy_test_and_passes_the_clean_one(pytester, monkeypatch):
     for key in ("REPORT", "TRACE", "SCOPE", "SUPPRESSIONS", "SESSION_DIR"):
         monkeypatch.delenv(f"STREAMSAN_{key}", raising=False)
     pytester.makepyfile(test_inner=INNER)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--streamsan", "--streamsan-trace",
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *plugin_args(), "--streamsan", "--streamsan-trace",
                                            "session.sstrace")
     result.assert_outcomes(passed=1, failed=1)
     lines = result.stdout.lines

@@ -35,9 +35,10 @@ CAT_K = line_of(cache_utils.DynamicLayer.update, "self.keys = torch.cat")
 CAT_V = line_of(cache_utils.DynamicLayer.update, "self.values = torch.cat")
 
 
-def wrap(tmp_path, *args):
+def wrap(tmp_path, *args, scope="full"):
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "streamsan", "wrap", "--report", str(report), "--", sys.executable, EXAMPLE, *args]
+    cmd = [sys.executable, "-m", "streamsan", "wrap", "--scope", scope, "--report", str(report), "--",
+           sys.executable, EXAMPLE, *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(report.read_text()), r
@@ -49,9 +50,9 @@ def summary(report):
                    x["access"]["location"]) for x in report["races"])
 
 
-@pytest.mark.parametrize("model", ["qwen3", "qwen3_next"])
-def test_offloaded_cache_both_hazards_idle_gpu(tmp_path, model):
-    report, run = wrap(tmp_path, "--model", model)
+@pytest.mark.parametrize("model, scope", [("qwen3", "full"), ("qwen3_next", "full"), ("qwen3", "hooks")])
+def test_offloaded_cache_both_hazards_idle_gpu(tmp_path, model, scope):
+    report, run = wrap(tmp_path, "--model", model, scope=scope)
     assert "argmax match: True" in run.stdout  # the GPU was idle: outputs happen to be right
     assert summary(report) == sorted([
         ("device-device", "default", "aten::_to_copy", OFFLOAD_K, "prefetch_stream", "aten::_to_copy", PREFETCH_K),
