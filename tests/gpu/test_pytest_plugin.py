@@ -42,6 +42,9 @@ def line_of(marker: str) -> int:
     return next(i for i, text in enumerate(INNER.splitlines(), 1) if marker in text)
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def plugin_args():
     """Load the plugin by module when this environment did not register the pytest11 entry point (an editable
     install that only put the source tree on the path)."""
@@ -54,6 +57,7 @@ def plugin_args():
 def test_pytest_streamsan_fails_the_racy_test_and_passes_the_clean_one(pytester, monkeypatch):
     for key in ("REPORT", "TRACE", "SCOPE", "SUPPRESSIONS", "SESSION_DIR"):
         monkeypatch.delenv(f"STREAMSAN_{key}", raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     pytester.makepyfile(test_inner=INNER)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *plugin_args(), "--streamsan", "--streamsan-trace",
                                            "session.sstrace")
