@@ -5,6 +5,7 @@ racy test (and, with the trace kept, the syncs around the race)."""
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 
 import torch
