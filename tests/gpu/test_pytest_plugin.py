@@ -40,7 +40,7 @@ INNER = textwrap.dedent("""
 
 
 def line_of(marker: str) -> int:
-    return next(i for i, text in enumerate(INNER.splitlines(), 1) if marker in text)
+    return next(i for i, text in enumerate(INNER.strip().splitlines(), 1) if marker in text)  # as makepyfile writes it
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
