@@ -77,3 +77,16 @@ def collect_environment(command, import_missing: bool = True) -> dict:
         "gpus": gpus,
         "command": [str(c) for c in command],
     }
+
+
+def environment_rows(report: dict) -> list[tuple[str, str]]:
+    """(key, text) rows of a report's environment for renderers: lists joined, the command line included;
+    unknown values are ''."""
+    env = dict(report.get("environment", {}))
+    env.setdefault("command", report.get("command", []))
+    rows = []
+    for k, v in env.items():
+        if isinstance(v, list):
+            v = " ".join(map(str, v)) if k == "command" else ", ".join(map(str, v))
+        rows.append((k, "" if v in (None, "") else str(v)))
+    return rows

@@ -10,6 +10,7 @@ from .advice import agent_text
 from .render_svg import render_svg
 from .render_text import action, memory_text, totals_text
 from .timeline import picture
+from .environment import environment_rows
 
 CSS = """
 .ss{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;color:#111827;max-width:1100px}
@@ -117,13 +118,8 @@ def _status(report: dict) -> str:
 
 
 def _environment(report: dict) -> str:
-    env = dict(report.get("environment", {}))
-    env.setdefault("command", report.get("command", []))
-    rows = []
-    for k, v in env.items():
-        if isinstance(v, list):
-            v = " ".join(map(str, v)) if k == "command" else ", ".join(map(str, v))
-        rows.append(f"<tr><th>{escape(k)}</th><td>{f'<code>{escape(str(v))}</code>' if v else 'unknown'}</td></tr>")
+    rows = [f"<tr><th>{escape(k)}</th><td>{f'<code>{escape(v)}</code>' if v else 'unknown'}</td></tr>"
+            for k, v in environment_rows(report)]
     return f"<details><summary>Environment</summary><table>{''.join(rows)}</table></details>"
 
 

@@ -7,6 +7,7 @@ from html import escape
 
 from .advice import agent_text
 from .render_text import action, totals_text
+from .environment import environment_rows
 
 
 def _code(s) -> str:
@@ -107,13 +108,7 @@ def _suppressed(items: list) -> list:
 
 
 def _environment(report: dict) -> list:
-    env = dict(report.get("environment", {}))
-    env.setdefault("command", report.get("command", []))
-    rows = []
-    for k, v in env.items():
-        if isinstance(v, list):
-            v = " ".join(map(str, v)) if k == "command" else ", ".join(map(str, v))
-        rows.append(f"| {k} | {_cell(_code(v)) if v not in (None, '') else 'unknown'} |")
+    rows = [f"| {k} | {_cell(_code(v)) if v else 'unknown'} |" for k, v in environment_rows(report)]
     return ["<details><summary>Environment</summary>", "", "| | |", "|---|---|", *rows, "", "</details>", ""]
 
 

@@ -190,8 +190,9 @@ class _GpuTrace:
 class TorchTracer:
     """Feeds events about the torch program into ``buffer`` (a :class:`streamsan.sink.EventBuffer`).
 
-    ``streams`` / ``stacks``: the session's shared stream registry and stack table. ``scope="full"`` traces every op from :meth:`start`; ``scope="hooks"`` traces ops only inside
-    :meth:`scoped` regions (entered by library hooks) while still seeing every sync and allocation.
+    ``streams`` / ``stacks``: the session's shared stream registry and stack table. ``scope="full"`` traces
+    every op from :meth:`start`; ``scope="hooks"`` traces ops only inside :meth:`push_context` regions (entered by
+    library hooks), and allocations and synchronizations from the first such region on.
     """
 
     def __init__(self, buffer, streams=None, stacks=None, scope: str = "full"):
