@@ -7,10 +7,10 @@ from __future__ import annotations
 from html import escape
 
 from .advice import agent_text
+from .environment import environment_rows
 from .render_svg import render_svg
 from .render_text import action, memory_text, totals_text
 from .timeline import picture
-from .environment import environment_rows
 
 CSS = """
 .ss{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;color:#111827;max-width:1100px}

@@ -6,8 +6,8 @@ from __future__ import annotations
 from html import escape
 
 from .advice import agent_text
-from .render_text import action, totals_text
 from .environment import environment_rows
+from .render_text import action, totals_text
 
 
 def _code(s) -> str:
