@@ -530,14 +530,16 @@ class Analyzer:
                 if type(w) is list:
                     kept = [x for x in w if _survives(x, h, ob, space)]
                     seg.write = kept if len(kept) > 1 else (kept[0] if kept else None)
-                elif w.clock <= h[w.agent] or not _survives(w, h, ob, space):
+                elif w.clock <= h[w.agent] or (space == PINNED or (ob is not None and ob.recorded)) and not \
+                        _survives(w, h, ob, space):
                     seg.write = None
             rd = seg.reads
             if rd is not None:
                 if type(rd) is dict:
                     nd = {k: x for k, x in rd.items() if _survives(x, h, ob, space)}
                     seg.reads = nd or None
-                elif rd.clock <= h[rd.agent] or not _survives(rd, h, ob, space):
+                elif rd.clock <= h[rd.agent] or (space == PINNED or (ob is not None and ob.recorded)) and not \
+                        _survives(rd, h, ob, space):
                     seg.reads = None
 
     def _check_pending(self, pend, blk: Block) -> None:
