@@ -70,6 +70,10 @@ def decode_trace(n_events: int, seed: int = 0, churn: int = 1):
                     old, _ = live.pop(0)
                     yield E.free(0, old)
                     emitted += 1
+            while len(live) > 6:  # the layer's prefetched block dies too: live memory stays flat
+                old, _ = live.pop(0)
+                yield E.free(0, old)
+                emitted += 1
             # offload: D2H into pinned memory on the default stream
             a, asize = live[-1]
             yield E.op(DEFAULT, "aten::_to_copy", reads=[(0, a, asize)],

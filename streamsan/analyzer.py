@@ -94,7 +94,8 @@ def _survives(x: Access, h: list, old_block, space: int) -> bool:
 class Analyzer:
     """Consumes events (:meth:`feed`) and collects deduplicated :attr:`findings`."""
 
-    def __init__(self, keep_occurrences: bool = False, retire_every: int = 1 << 16):
+    def __init__(self, keep_occurrences: bool = False, retire_every: int = 1 << 16,
+                 max_dead_history: int = 1 << 18):
         self.vc: list[list[int]] = [[1]]
         self.agents: dict[int, AgentInfo] = {HOST: AgentInfo(HOST, -1, 0, 0, "host")}
         self.events: dict[int, list[int]] = {}
@@ -115,6 +116,7 @@ class Analyzer:
         self.seq = 0
         self.counts = {"ops": 0, "host_accesses": 0, "syncs": 0, "allocs": 0, "frees": 0}
         self._retire_every = retire_every
+        self.max_dead_history = max_dead_history
         self._next_retire = retire_every
         self._handlers = {
             E.DEF_STACK: self._def_stack,
@@ -151,6 +153,8 @@ class Analyzer:
                 seq += 1
         finally:
             self.seq = seq
+        if seq >= self._next_retire:
+            self.retire()
 
     def finish(self) -> None:
         """Called once after the last event; nothing is pending at the end of a trace (an owner that never
@@ -612,9 +616,12 @@ class Analyzer:
 
     # ------------------------------------------------------------------ retirement
     def retire(self) -> None:
-        """Forget accesses the host has synchronized past and empty history of dead memory."""
+        """Forget accesses the host has synchronized past and empty history of dead memory. A program that never
+        lets the host synchronize keeps the history of its freed memory: past ``max_dead_history`` ranges, the
+        oldest of it is forgotten (and a note says so)."""
         self._next_retire = self.seq + self._retire_every
         h = self.vc[HOST]
+        kept_dead = []
         for sh in self.shadow.values():
             dead = []
             for seg in sh:
@@ -632,10 +639,20 @@ class Analyzer:
                         seg.reads = nd or None
                     elif rd.clock <= h[rd.agent]:
                         seg.reads = None
-                if seg.write is None and seg.reads is None and (seg.block is None or seg.block.freed):
-                    dead.append(seg)
+                if seg.block is None or seg.block.freed:
+                    if seg.write is None and seg.reads is None:
+                        dead.append(seg)
+                    else:
+                        kept_dead.append((sh, seg))
             for seg in dead:
                 sh.remove(seg)
+        if len(kept_dead) > self.max_dead_history:
+            kept_dead.sort(key=lambda item: max(x.seq for x in item[1].accesses()))
+            drop = kept_dead[:len(kept_dead) - self.max_dead_history // 2]
+            for sh, seg in drop:
+                sh.remove(seg)
+            self._note((E.NOTE, "warning", "the host never synchronized: the oldest history of freed memory was "
+                                           "forgotten to bound memory (races with it can be missed)"))
 
     # ------------------------------------------------------------------ results
     def shadow_size(self) -> int:

@@ -2,7 +2,8 @@
 
 A damaged or truncated trace still yields a report of the events before the damage (``complete`` false, the
 problem in ``problems``). Anything else wrong with the file raises :class:`~streamsan.trace.TraceError` with a
-one-line message.
+one-line message; so do events that the analyzer takes but that would make a report not following
+``schema.json``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 
 from .analyzer import Analyzer
 from .report.build import build_report
+from .report.io import schema_problem
 from .report.syncs import attach_timelines, collect_timelines
 from .trace import TraceError, TraceReader, validate_batch
 
@@ -26,6 +28,26 @@ def _command(header: dict) -> list:
     if isinstance(cmd, str):
         return [cmd]
     return [str(c) for c in cmd] if isinstance(cmd, list) else []
+
+
+def _environment(env) -> dict:
+    """The trace's environment, without the entries of the wrong type (a report must follow schema.json)."""
+    if not isinstance(env, dict):
+        return {}
+    return {k: v for k, v in env.items() if schema_problem({k: v}, "environment") is None}
+
+
+def _explain(path: str, name: str, why: str) -> TraceError:
+    """The error for a trace whose events the analyzer took but that make no valid report: the first invalid
+    event (read again and validated, slowly), else ``why``."""
+    first = 0
+    for batch in TraceReader(path).batches():
+        try:
+            validate_batch(batch, first)
+        except TraceError as bad:
+            return TraceError(f"{name}: invalid {bad}")
+        first += len(batch)
+    return TraceError(f"{name}: the events make no valid report ({why})")
 
 
 def _feed(reader, analyzer, name: str, progress) -> None:
@@ -66,6 +88,9 @@ def replay_trace(path: str, *, with_process: bool = False, name: str | None = No
     elif not reader.complete:
         problems.append(f"{name}: the trace has no end mark after {reader.events} events (the traced process "
                         f"did not exit normally)")
+    elif type(reader.footer.get("lost")) is int:
+        problems.append(f"{name}: {reader.footer['lost']} events were lost when the traced process was "
+                        f"interrupted while writing them")
     header = reader.header
     env = reader.footer.get("environment") or header.get("environment")
     command = _command(header)
@@ -74,9 +99,18 @@ def replay_trace(path: str, *, with_process: bool = False, name: str | None = No
         pid = header.get("pid")
         process = {"pid": pid if type(pid) is int else None, "command": command,
                    "trace": os.path.basename(path)}
-    report = build_report(analyzer, command=command, environment=env if isinstance(env, dict) else {},
-                          complete=not problems, problems=problems, process=process)
-    if analyzer.findings:
-        attach_timelines(report, collect_timelines(TraceReader(path).batches(), analyzer))
+    # The analyzer takes events without validating them (only a failing batch is validated): events of the
+    # right shape but the wrong types (a name that is a number, a handle that is a string) reach the report.
+    # Check it against schema.json and name the culprit rather than hand renderers a malformed report.
+    try:
+        report = build_report(analyzer, command=command, environment=_environment(env), complete=not problems,
+                              problems=problems, process=process)
+        if analyzer.findings:
+            attach_timelines(report, collect_timelines(TraceReader(path).batches(), analyzer))
+    except _ANALYZER_ERRORS + (OverflowError,) as e:
+        raise _explain(path, name, f"{type(e).__name__}: {e}") from None
+    problem = schema_problem(report)
+    if problem:
+        raise _explain(path, name, problem)
     log.debug("%s: %d events, %d findings", name, analyzer.seq, len(analyzer.findings))
     return report

@@ -35,7 +35,7 @@ class Session:
     """One tracing session. ``analyze``: run the analyzer in this process; ``trace_path``: also record."""
 
     def __init__(self, scope: str = "full", trace_path: str | None = None, analyze: bool = True,
-                 header: dict | None = None):
+                 header: dict | None = None, echo: bool = True):
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
         self.scope = scope
@@ -56,6 +56,8 @@ class Session:
         self.active = False
         self.problems: list[str] = []
         self._said_no_cuda = False
+        self.echo = echo  # say notes on stderr (not under `streamsan wrap`, whose report says them)
+        self._torch_unsupported = False
 
     def _feed(self, batch) -> None:
         try:
@@ -85,6 +87,7 @@ class Session:
 
         problem = check_torch(torch_module)
         if problem:
+            self._torch_unsupported = True
             self._note(problem)
             return
         from .tracers.torch import TorchTracer
@@ -139,7 +142,8 @@ class Session:
         self.buffer.events.append((E.NOTE, level, text))
         if text not in self.problems:
             self.problems.append(text)
-            print(f"streamsan: {text}", file=sys.stderr)
+            if self.echo:
+                print(f"streamsan: {text}", file=sys.stderr)
 
     def stop(self) -> None:
         global _current
@@ -152,11 +156,18 @@ class Session:
             except Exception as e:
                 self.problems.append(f"tracer did not stop cleanly: {e}")
         torch_tracer = self.tracers.get("torch")
-        if "torch" in sys.modules and (torch_tracer is None or not torch_tracer.saw_cuda):
+        if ("torch" in sys.modules and not self._torch_unsupported  # that note said why already
+                and (torch_tracer is None or not torch_tracer.saw_cuda)):
             self._note_no_cuda()
         self.buffer.flush()
         if self.writer is not None:
-            self.writer.close({"environment": self._environment()})
+            extra = {"environment": self._environment()}
+            # A batch the buffer handed out but the writer never wrote (a KeyboardInterrupt inside a flush):
+            # the trace must not claim to be complete.
+            lost = self.buffer.total - self.writer.events
+            if lost > 0:
+                extra["lost"] = lost
+            self.writer.close(extra)
         if _current is self:
             _current = None
 
@@ -280,10 +291,23 @@ def start_from_env() -> Session | None:
     if scope not in SCOPES:
         scope = "full"
     s = Session(scope=scope, trace_path=os.path.join(d, f"trace-{os.getpid()}.sstrace"), analyze=False,
-                header={"command": list(getattr(sys, "orig_argv", sys.argv)), "scope": scope})
+                header={"command": list(getattr(sys, "orig_argv", sys.argv)), "scope": scope}, echo=False)
     s.start()
     _install_exit_handlers(s)
     return s
+
+
+def _writing(frame) -> bool:
+    """Whether the interrupted frame is inside the code that writes the trace (or stops the session)."""
+    from .trace import TraceWriter
+
+    codes = {EventBuffer.flush.__code__, TraceWriter.write.__code__, TraceWriter._frame.__code__,
+             TraceWriter.close.__code__, Session.stop.__code__}
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _install_exit_handlers(s: Session) -> None:
@@ -299,7 +323,11 @@ def _install_exit_handlers(s: Session) -> None:
     os._exit = _exit
 
     def on_signal(signum, frame):
-        s.stop()
+        # The handler runs in the main thread between two bytecodes. If that thread was writing the trace (the
+        # buffer's lock held, a frame half written), stopping would wait for the lock forever: die of the
+        # signal at once instead, the trace without its end mark (replay reports it incomplete).
+        if not _writing(frame):
+            s.stop()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 

@@ -16,7 +16,10 @@ Format ``streamsan.trace/1``::
   plus what the writer knew only at the end (``"environment"``: library versions once they were imported).
 
 The writer appends a frame per batch and hands it to the OS at once, so a crash loses only the batch being
-filled. A reader stops at the first truncated frame and reports the trace as incomplete.
+filled. A reader stops at the first truncated frame and reports the trace as incomplete. No frame is read or
+inflated past :data:`MAX_FRAME` bytes, nor an event frame's outer list allocated past its bytes. The checksum
+finds damage, not malice: a crafted frame that checksums can still make ``marshal`` allocate far more than its
+size with a nested container (trace files are not meant for untrusted input).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import marshal
 import os
 import struct
+import sys
 import time
 import zlib
 
@@ -40,14 +44,30 @@ class TraceError(Exception):
     """A trace file that cannot be read; the message is one line for the user."""
 
 
+def _inflate(payload: bytes) -> bytes:
+    """Decompress a frame's payload, refusing to inflate it past MAX_FRAME bytes (a zlib bomb)."""
+    d = zlib.decompressobj()
+    data = d.decompress(payload, MAX_FRAME)
+    if not d.eof:
+        if len(data) >= MAX_FRAME:
+            raise zlib.error(f"inflates to more than {MAX_FRAME} bytes")
+        raise zlib.error("incomplete or truncated stream")
+    return data
+
+
 class TraceWriter:
-    """Appends frames to a trace file. ``write(batch)`` takes a list of event tuples."""
+    """Appends frames to a trace file. ``write(batch)`` takes a list of event tuples.
+
+    A batch that cannot be written (a full disk, an unmarshallable event) never reaches the traced program:
+    the writer says so once on stderr, writes nothing more, and leaves the trace without its end mark.
+    """
 
     def __init__(self, path: str, header: dict | None = None):
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.events = 0
         self.closed = False
+        self.error: str | None = None
         h = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid()}
         h.update(header or {})
         os.write(self.fd, MAGIC)
@@ -62,12 +82,22 @@ class TraceWriter:
             view = view[n:]
 
     def write(self, batch) -> None:
-        if batch and not self.closed:
-            self._frame(b"E", zlib.compress(marshal.dumps(list(batch), 4), 1))
+        if batch and not self.closed and self.error is None:
+            try:
+                self._frame(b"E", zlib.compress(marshal.dumps(list(batch), 4), 1))
+            except (OSError, ValueError) as e:
+                self.error = getattr(e, "strerror", None) or str(e)
+                print(f"streamsan: warning: cannot write the trace {self.path} ({self.error}): tracing stopped, "
+                      "the report will be incomplete", file=sys.stderr)
+                return
             self.events += len(batch)
 
     def close(self, extra: dict | None = None) -> None:
         if self.closed:
+            return
+        if self.error is not None:
+            os.close(self.fd)
+            self.closed = True
             return
         footer = {"events": self.events, "complete": True}
         footer.update(extra or {})
@@ -109,8 +139,8 @@ class TraceReader:
             self.f.close()
             raise TraceError(f"{path}: trace header is missing or damaged")
         try:
-            self.header = json.loads(zlib.decompress(payload))
-        except (zlib.error, ValueError):
+            self.header = json.loads(_inflate(payload))
+        except (zlib.error, ValueError, RecursionError):
             self.f.close()
             raise TraceError(f"{path}: trace header is damaged") from None
         fmt = self.header.get("format") if isinstance(self.header, dict) else None
@@ -147,8 +177,22 @@ class TraceReader:
                 kind, payload = fr
                 if kind == b"E":
                     try:
-                        batch = marshal.loads(zlib.decompress(payload))
-                    except (zlib.error, ValueError, EOFError, TypeError):
+                        data = _inflate(payload)
+                    except zlib.error as e:
+                        self.problem = ("event frame " + str(e) if str(e).startswith("inflates")
+                                        else "undecodable event frame")
+                        return
+                    # marshal allocates a list's items before reading them: check the outer list's claimed
+                    # length against the bytes there are (a bomb of a few bytes could allocate 16 GiB).
+                    if data[:1] not in (b"[", b"\xdb"):
+                        self.problem = "event frame is not a list" if data else "undecodable event frame"
+                        return
+                    if int.from_bytes(data[1:5], "little") > len(data):
+                        self.problem = "undecodable event frame"
+                        return
+                    try:
+                        batch = marshal.loads(data)
+                    except (ValueError, EOFError, TypeError, MemoryError):
                         self.problem = "undecodable event frame"
                         return
                     if not isinstance(batch, list):
@@ -159,8 +203,8 @@ class TraceReader:
                 elif kind == b"Z":
                     self.complete = True
                     try:
-                        footer = json.loads(zlib.decompress(payload))
-                    except (zlib.error, ValueError):
+                        footer = json.loads(_inflate(payload))
+                    except (zlib.error, ValueError, RecursionError):
                         footer = None
                     self.footer = footer if isinstance(footer, dict) else {}
                     return
