@@ -38,9 +38,10 @@ def test_without_cuda_the_program_runs_unchanged_and_streamsan_says_so_once(capf
     code, out, err = wrap(capfd, sys.executable, "-c",
                           "import torch; x = torch.ones(3); print(x.sum().item())")
     assert code == 0 and out == "3.0\n"
-    assert err == ("streamsan: no races found (1 events, 0 stream ops, 0 streams).\n"
-                   f"streamsan: warning: {NO_CUDA}\n"
-                   "streamsan: report written to streamsan-report.json\n")
+    ours = [line for line in err.splitlines() if line.startswith("streamsan")]  # torch may warn too (no numpy)
+    assert ours == ["streamsan: no races found (1 events, 0 stream ops, 0 streams).",
+                    f"streamsan: warning: {NO_CUDA}",
+                    "streamsan: report written to streamsan-report.json"]
     assert err.count("nothing could be checked") == 1
     rep = json.loads((tmp_path / "streamsan-report.json").read_text())
     assert rep["complete"] is True and rep["races"] == []
