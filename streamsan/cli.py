@@ -137,6 +137,7 @@ def cmd_wrap(args) -> int:
             report = _suppress(wrap.collect_report(session_dir, cmd, status), rules)
         finally:
             status.clear()
+        report["exit_status"] = wrap.exit_status(rc)
         _finish(report, args, sys.stderr)
         if args.trace:
             try:

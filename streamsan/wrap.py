@@ -147,6 +147,18 @@ def collect_report(session_dir: str, cmd: list, status=None) -> dict:
     return merged
 
 
+def exit_status(rc: int) -> dict:
+    """How the wrapped command ended, for the report: ``{"code": N, "signal": None}`` or, when a signal killed
+    it, ``{"code": 128 + N, "signal": "SIGKILL"}``."""
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return {"code": 128 - rc, "signal": name}
+    return {"code": rc, "signal": None}
+
+
 def keep_traces(session_dir: str, dest: str) -> list:
     """Move the session's traces to ``dest``: a file for one trace (unless dest is a directory), else a
     directory (created). Returns the new paths; raises OSError."""

@@ -128,6 +128,8 @@ def one(runs, mode, expected_code):
     assert code == expected_code, f"{mode}: exit {code}\n{stderr}"
     assert rep is not None, f"{mode}: no report\n{stderr}"
     assert rep["schema"] == "streamsan.report/1" and len(rep["processes"]) == 1
+    signals = {exitcodes.SIGNAL + s: s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)}
+    assert rep["exit_status"] == {"code": expected_code, "signal": signals.get(expected_code)}, mode
     return stdout, stderr, rep
 
 
