@@ -40,7 +40,7 @@ def one(n: int, churn: int, curve: bool) -> dict:
     batch = []
     for ev in decode_trace(n, churn=churn):
         batch.append(ev)
-        if len(batch) == 4096:
+        if len(batch) == 512:  # as the tracer writes
             w.write(batch)
             batch = []
     w.write(batch)

@@ -28,7 +28,8 @@ def decode_trace(n_events: int, seed: int = 0, churn: int = 1):
     for w, size in weights:
         yield E.alloc(0, w, size, DEFAULT, 1)
     emitted = 3 + 8 + len(weights)
-    pool = [0x20_0000_0000 + i * 0x8000 for i in range(256)]
+    free_slots = [0x20_0000_0000 + i * 0x8000 for i in range(256)]  # a caching allocator's free list
+    rnd.shuffle(free_slots)
     fresh = 0x30_0000_0000
     pinned_base = 0x7f00_0000_0000
     live: list[tuple[int, int]] = []
@@ -42,7 +43,7 @@ def decode_trace(n_events: int, seed: int = 0, churn: int = 1):
             yield E.event_record(event_id, DEFAULT)
             yield E.event_wait(event_id, SIDE)
             src = pinned_base + layer * 0x4000
-            dst = pool[rnd.randrange(len(pool))] if churn == 1 else fresh
+            dst = free_slots.pop() if churn == 1 else fresh
             fresh += 0x8000
             yield E.alloc(0, dst, 0x4000, SIDE, stack)
             yield E.op(SIDE, "aten::_to_copy", reads=[(E.PINNED, src, 0x4000)], writes=[(0, dst, 0x4000)],
@@ -57,7 +58,7 @@ def decode_trace(n_events: int, seed: int = 0, churn: int = 1):
             for k in range(6):
                 w, wsize = weights[(layer * 6 + k) % len(weights)]
                 a, asize = live[-1]
-                out = pool[rnd.randrange(len(pool))] if churn == 1 else fresh
+                out = free_slots.pop() if churn == 1 else fresh
                 fresh += 0x8000
                 yield E.alloc(0, out, asize, DEFAULT, stack)
                 reads = [(0, w, wsize), (0, a, asize)]
@@ -69,10 +70,14 @@ def decode_trace(n_events: int, seed: int = 0, churn: int = 1):
                 if len(live) > 6:
                     old, _ = live.pop(0)
                     yield E.free(0, old)
+                    if churn == 1:
+                        free_slots.insert(0, old)
                     emitted += 1
             while len(live) > 6:  # the layer's prefetched block dies too: live memory stays flat
                 old, _ = live.pop(0)
                 yield E.free(0, old)
+                if churn == 1:
+                    free_slots.insert(0, old)
                 emitted += 1
             # offload: D2H into pinned memory on the default stream
             a, asize = live[-1]
