@@ -9,7 +9,7 @@ where the analyzer decides whether they are still unordered (DESIGN §3).
 
 from __future__ import annotations
 
-from .events import HOST, PINNED
+from .events import PINNED
 
 
 _NO_STREAMS: frozenset = frozenset()
@@ -79,9 +79,6 @@ class AllocatorModel:
         block.foreign = None
         if pend:
             self.pending.setdefault(block.owner, []).append((block, pend))
-
-    def take_pending(self, owner: int) -> list[tuple[Block, list]]:
-        return self.pending.pop(owner, []) if owner != HOST else []
 
     def live_count(self) -> int:
         return sum(len(d) for d in self.live.values())

@@ -50,10 +50,6 @@ class AgentInfo:
         self.flags = flags
         self.name = name
 
-    @property
-    def is_host(self) -> bool:
-        return self.agent == HOST
-
     def __repr__(self) -> str:
         return f"AgentInfo({self.agent}, dev={self.device}, handle={self.handle:#x}, {self.name!r})"
 

@@ -55,7 +55,6 @@ class Session:
         self.tracers: dict[str, object] = {}
         self.active = False
         self.problems: list[str] = []
-        self._said_no_cuda = False
         self.echo = echo  # say notes on stderr (not under `streamsan wrap`, whose report says them)
         self._torch_unsupported = False
 

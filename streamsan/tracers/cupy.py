@@ -96,7 +96,6 @@ from ..stacks import StackTable
 
 _active = None  # the running CupyTracer: every patch routes through it (and passes through when None)
 
-MIN_CUPY = (13, 0)
 MAX_FRESH_STREAMS = 256  # new streams that get a new agent even if their handle was used before (bounds agent ids)
 
 # Events fired inside a traced call that belong before the call's OP (everything else goes after it).
@@ -807,7 +806,7 @@ class CupyTracer:
         w = self._range(out)
         return reads, [w] if w is not None else [], flags, {mem.ptr: describe(out)}
 
-    def _raw(self, key, kargs, ann_names=None):
+    def _raw(self, key, kargs):
         """Reads/writes of a raw kernel launch: array/MemoryPointer arguments, per the annotation."""
         ann = _ANNOTATIONS.get(key)
         nd = self._ndarray

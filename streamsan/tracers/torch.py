@@ -59,8 +59,7 @@ class OpPlan:
     ``fresh_outputs``: whether returned tensors are new memory the op writes. ``skip``: no access at all.
     """
 
-    __slots__ = ("name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy", "pinning",
-                 "n_positional")
+    __slots__ = ("name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy", "pinning")
 
     def __init__(self, func):
         schema = func._schema
@@ -86,7 +85,6 @@ class OpPlan:
                 continue
             args.append((i if not a.kwarg_only else -1, a.name, is_write, kind == "list"))
         self.tensor_args = tuple(args)
-        self.n_positional = sum(1 for a in schema.arguments if not a.kwarg_only)
         self.fresh_outputs = bool(schema.returns) and all(
             r.alias_info is None for r in schema.returns) and any(_tensor_kind(r.type) for r in schema.returns)
         self.skip = (base in NO_ACCESS and not self.pinning) or (not self.tensor_args and not self.fresh_outputs)
