@@ -95,6 +95,18 @@ def alloc_reuse() -> list:
     ]
 
 
+def alloc_reuse_by_owner() -> list:
+    """alloc-reuse: the default stream writes its block, frees it, allocates it again and the side stream
+    writes the new tensor without waiting for the default stream."""
+    return prologue() + [
+        E.alloc(0, 0xB000, 4096, DEFAULT, stack=3, what=WHAT),
+        E.op(DEFAULT, "aten::fill_", writes=[(0, 0xB000, 4096)], stack=3),
+        E.free(0, 0xB000),
+        E.alloc(0, 0xB000, 4096, DEFAULT, stack=7, what="float32[1024]"),
+        E.op(SIDE, "aten::fill_", writes=[(0, 0xB000, 4096)], stack=7),
+    ]
+
+
 def analyze(events):
     from streamsan.analyzer import Analyzer
     a = Analyzer()

@@ -112,6 +112,15 @@ def test_alloc_reuse_names_the_earlier_lifes_stream_and_an_unnamed_stream():
     assert f"`<stream {hex(S.SIDE_HANDLE)}>.wait_stream(prefetch_stream)`" in r["fix"]
 
 
+def test_alloc_reuse_by_the_owner_stream_fixes_with_a_wait_not_record_stream():
+    r = only_race(report_of(S.alloc_reuse_by_owner()))
+    assert (r["kind"], r["previous_access"]["agent"]["role"]) == ("alloc-reuse", "default")
+    assert r["fix"] == (f"Call `<stream {hex(S.SIDE_HANDLE)}>.wait_stream(torch.cuda.current_stream())` before "
+                        f"aten::fill_ at {r['access']['location']}.")
+    assert "record_stream" not in r["fix"]
+    assert "the new tensor was allocated on the default stream" in r["missing_edge"]
+
+
 def test_top_level_and_summary():
     events = S.missing_record_stream() + [E.note("warning", "a CUDA graph was not analyzed")]
     rep = report_of(events, complete=False, problems=["trace.sstrace: truncated frame"])

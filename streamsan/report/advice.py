@@ -36,6 +36,12 @@ def _what(access: dict) -> str:
     return f"{access['op']} ({access['type']}) at {access['location']}"
 
 
+def _owner_access(prev: dict, allocation: dict) -> bool:
+    """The earlier access ran on the stream that owned the earlier tensor's memory."""
+    owner = (allocation.get("previous_life") or {}).get("owner") or {}
+    return owner.get("kind") == "stream" and owner.get("stream") == prev["agent"].get("stream")
+
+
 def missing_edge(kind: str, prev: dict, cur: dict, allocation: dict) -> str:
     """What ordering is missing between the two accesses, as one sentence."""
     pa, ca = agent_text(prev["agent"]), agent_text(cur["agent"])
@@ -48,9 +54,12 @@ def missing_edge(kind: str, prev: dict, cur: dict, allocation: dict) -> str:
                 f"memory to the allocation at {cur['location']} on {ca} while that use may still be "
                 f"pending.{tail}")
     if kind == ALLOC_REUSE:
+        why = (f"the new tensor was allocated on {pa}, where that work was queued, but is used on {ca}"
+               if _owner_access(prev, allocation) else
+               f"{pa} was not recorded on the old tensor with record_stream, so the caching allocator did not "
+               f"wait for it")
         return (f"The memory was freed and allocated again: {_what(cur)} on {ca} in the new allocation is not "
-                f"ordered after {_what(prev)} on {pa} in the earlier one ({pa} was not recorded on the old "
-                f"tensor with record_stream, so the caching allocator did not wait for it).")
+                f"ordered after {_what(prev)} on {pa} in the earlier one ({why}).")
     if kind == HOST_DEVICE and cur["agent"].get("kind") == "host":
         return (f"The host's {_what(cur)} may run while {_what(prev)}, enqueued on {pa}, is still in flight: "
                 f"the host never synchronized with {pa} in between.")
@@ -65,6 +74,9 @@ def fix(kind: str, prev: dict, cur: dict, memory: dict, allocation: dict) -> str
         return (f"Call `{tensor}.record_stream({p})` after the use at {prev['location']}, or "
                 f"`{c}.wait_stream({p})` before the tensor is freed (at the latest before the allocation at "
                 f"{cur['location']}).")
+    if kind == ALLOC_REUSE and _owner_access(prev, allocation):
+        # record_stream on the allocation stream is ignored by the allocator: only a wait helps.
+        return f"Call `{c}.wait_stream({p})` before {cur['op']} at {cur['location']}."
     if kind == ALLOC_REUSE:
         return (f"Call `{tensor}.record_stream({p})` on the earlier tensor after {prev['op']} at "
                 f"{prev['location']} so that the allocator waits for that stream before reusing its memory, or "
