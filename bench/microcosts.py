@@ -31,11 +31,17 @@ class NoOp(TorchDispatchMode):
 
 x = torch.ones(1024, 1024, device="cuda")
 y = torch.ones(1024, 1024, device="cuda")
+kv = torch.ones(1, 8, 64, 128, device="cuda", dtype=torch.bfloat16)  # one layer's keys in the offload decode
+kv_host = kv.to("cpu", non_blocking=True)
 s = Session(analyze=False).start()
 tr = s.tracers["torch"]
 rows = [
     ("x.add_(1) plain (traced)", lambda: x.add_(1)),
     ("x + y (traced, allocates)", lambda: x + y),
+    ("kv.to(cpu, non_blocking) (traced)", lambda: kv.to("cpu", non_blocking=True)),
+    ("kv_host.to(cuda, non_blocking) (traced)", lambda: kv_host.to("cuda", non_blocking=True)),
+    ("torch.cat([kv, kv], -2) (traced)", lambda: torch.cat([kv, kv], -2)),
+    ("kv_host.is_pinned()", lambda: kv_host.is_pinned()),
     ("_range_in(x, 0)", lambda: tr._range_in(x, 0)),
     ("stacks.capture", lambda: tr.stacks.capture([], 0)),
     ("_cuda_getCurrentRawStream(0)", lambda: tt._cuda_raw_stream(0)),
@@ -50,8 +56,11 @@ out = [(name, per_call(fn)) for name, fn in rows]
 s.stop()
 out.append(("x.add_(1) plain (untraced)", per_call(lambda: x.add_(1))))
 out.append(("x + y (untraced)", per_call(lambda: x + y)))
+out.append(("kv.to(cpu, non_blocking) (untraced)", per_call(lambda: kv.to("cpu", non_blocking=True))))
+out.append(("kv_host.to(cuda, non_blocking) (untraced)", per_call(lambda: kv_host.to("cuda", non_blocking=True))))
+out.append(("torch.cat([kv, kv], -2) (untraced)", per_call(lambda: torch.cat([kv, kv], -2))))
 with NoOp():
     out.append(("x.add_(1) no-op mode", per_call(lambda: x.add_(1))))
     out.append(("x + y no-op mode", per_call(lambda: x + y)))
 for name, us in out:
-    print(f"{name:34s} {us:7.2f} us")
+    print(f"{name:42s} {us:7.2f} us")

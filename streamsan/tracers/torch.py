@@ -9,7 +9,8 @@ What it watches:
 * events, waits, synchronizations, allocations and frees, through PyTorch's GPU trace callbacks;
 * what those miss: ``record_stream`` (an aten op), ``Event.query()`` / ``Stream.query()`` returning True
   (patched), copies into pageable host memory (CUDA returns only after them: modelled as a host sync),
-  pinned allocations (outputs of pinning ops and of non-blocking device-to-host copies).
+  pinned allocations (outputs of pinning ops and of non-blocking device-to-host copies), and host reads that
+  launch no aten op (``Tensor.tolist()``, ``Tensor.numpy()``) on pinned memory.
 
 It never synchronizes, waits on events, reads device memory or changes streams (DESIGN §5): it reads tensor
 metadata and stream handles only. Events fired inside an op (its allocations, the synchronization of a
@@ -376,7 +377,35 @@ class TorchTracer:
 
             setattr(cls, attr, make(orig, what))
             self._patched.append((cls, attr, orig))
+        self._patch_host_reads()
         self._patch_blind_spots()
+
+    def _patch_host_reads(self) -> None:
+        """``Tensor.tolist()`` and ``Tensor.numpy()`` (also reached by ``np.asarray(t)``) read a CPU tensor's
+        memory without an aten op: on pinned memory they are host reads, at the time of the call. Later accesses
+        through the returned ndarray are not seen."""
+        tracer = self
+        for attr in ("tolist", "numpy"):
+            orig = getattr(torch.Tensor, attr, None)
+            if orig is None:
+                continue
+
+            def make(orig, name):
+                def read(self, *a, **k):
+                    if tracer.pinned and tracer.tracing and self.is_cpu:
+                        tracer._host_read(self, name)
+                    return orig(self, *a, **k)
+                read.__wrapped__ = orig
+                read.__doc__ = orig.__doc__
+                return read
+
+            self._patched.append((torch.Tensor, attr, torch.Tensor.__dict__.get(attr)))
+            setattr(torch.Tensor, attr, make(orig, f"Tensor.{attr}"))
+
+    def _host_read(self, t, name: str) -> None:
+        r = self._range_in(t, E.PINNED)
+        if r is not None:
+            self._emit((E.OP, E.HOST, name, (r,), (), self.stacks.capture(self.buffer.events, 2), self.ctx, 0))
 
     def _note_once(self, key: str, text: str) -> None:
         if key not in self._noted:
@@ -432,7 +461,10 @@ class TorchTracer:
     def _unpatch(self) -> None:
         while self._patched:
             cls, attr, orig = self._patched.pop()
-            setattr(cls, attr, orig)
+            if orig is None:  # the patch shadowed an inherited attribute
+                delattr(cls, attr)
+            else:
+                setattr(cls, attr, orig)
 
     # ------------------------------------------------------------------ ranges
     def _range(self, t):

@@ -1,0 +1,74 @@
+"""Host reads that launch no aten op: ``Tensor.tolist()``, ``Tensor.numpy()`` and ``np.asarray(tensor)`` on
+pinned memory. CPU only: the tensor is registered as a pinned block by hand, and the device-to-host copy that
+filled it is the event the tracer emits for a non-blocking D2H copy on a GPU."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+
+from streamsan import events as E  # noqa: E402
+from streamsan.analyzer import Analyzer  # noqa: E402
+from streamsan.findings import HOST_DEVICE  # noqa: E402
+from streamsan.sink import EventBuffer  # noqa: E402
+from streamsan.tracers.torch import TorchTracer  # noqa: E402
+
+SIDE = 1
+
+
+@pytest.fixture
+def traced():
+    """(tracer, analyzer, pinned tensor): the tensor's memory was just written by a D2H copy on stream SIDE."""
+    analyzer = Analyzer()
+    tracer = TorchTracer(EventBuffer([analyzer.feed]))
+    host = torch.arange(16, dtype=torch.float32)
+    st = host.untyped_storage()
+    base, size = st.data_ptr(), st.nbytes()
+    tracer.buffer.events += [E.stream(SIDE, 0, 0x1000),
+                             E.alloc(E.PINNED, base, size, E.HOST, what="float32[16]"),
+                             E.op(SIDE, "aten::copy_", writes=[E.rng(E.PINNED, base, size)])]
+    tracer.pinned[base] = size
+    tracer.start()
+    try:
+        yield tracer, analyzer, host
+    finally:
+        tracer.stop()
+
+
+def finding(analyzer):
+    analyzer.finish()
+    return [(f.kind, (f.previous.agent, f.previous.name), (f.current.agent, f.current.name), f.lo, f.hi)
+            for f in analyzer.sorted_findings()]
+
+
+@pytest.mark.parametrize("read, name, elements", [
+    (lambda t: t[4:8].tolist(), "Tensor.tolist", (4, 8)),
+    (lambda t: t.numpy(), "Tensor.numpy", (0, 16)),
+    (lambda t: np.asarray(t[2:3]), "Tensor.numpy", (2, 3)),
+])
+def test_a_host_read_of_an_unsynchronized_d2h_copy_races(traced, read, name, elements):
+    tracer, analyzer, host = traced
+    values = read(host)
+    assert list(np.asarray(values, dtype=np.float32).ravel()) == list(range(*elements))  # unchanged results
+    tracer.stop()
+    base = host.untyped_storage().data_ptr()
+    lo, hi = (base + 4 * e for e in elements)
+    assert finding(analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, name), lo, hi)]
+
+
+def test_after_the_stream_is_synchronized_the_read_is_clean(traced):
+    tracer, analyzer, host = traced
+    tracer.buffer.events.append(E.stream_sync(SIDE))
+    host.tolist()
+    host.numpy()
+    tracer.stop()
+    assert finding(analyzer) == []
+
+
+def test_pageable_tensors_and_untraced_calls_emit_nothing(traced):
+    tracer, analyzer, host = traced
+    torch.ones(4).tolist()  # not pinned
+    tracer.stop()
+    host.tolist()  # after stop: the patches are gone
+    assert "numpy" not in torch.Tensor.__dict__ and "tolist" not in torch.Tensor.__dict__
+    assert finding(analyzer) == []
