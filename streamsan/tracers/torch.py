@@ -702,7 +702,7 @@ class TorchTracer:
         inner = evs[mark:]
         del evs[mark:]
         evs.extend(pre)
-        after = []
+        rest = []
         for ev in inner:
             if ev[0] == E.ALLOC:
                 if ev[3] == 0 and ev[2] in sizes:
@@ -712,9 +712,11 @@ class TorchTracer:
             elif ev[0] in (E.STREAM, E.DEF_STACK, E.DEF_CONTEXT):
                 evs.append(ev)
             else:
-                after.append(ev)
+                rest.append(ev)
+        barrier = _barrier_end(rest, op[1])
+        evs.extend(rest[:barrier])
         evs.append(op)
-        evs.extend(after)
+        evs.extend(rest[barrier:])
 
     def _host_op(self, func, plan, args, kwargs, reads, writes):
         """An op on CPU tensors that touches pinned memory: a host access."""
@@ -784,6 +786,21 @@ class TorchTracer:
         a = self.agent(dev, handle)
         base = t.untyped_storage().data_ptr()
         self._emit((E.RECORD_STREAM, t.get_device(), base, a, self.stacks.capture(self.buffer.events, 3)))
+
+
+def _barrier_end(inner: list, agent: int) -> int:
+    """How many of the events fired inside an op happened before its kernel: the barrier a cross-device copy
+    enqueues first (an event recorded on the destination's stream, then waited for by the op's own stream).
+    Everything from the first event recorded on the op's own stream on (the copy's completion barrier, the pinned
+    allocator's event) and synchronizations of the host come after the kernel."""
+    end = 0
+    for i, ev in enumerate(inner):
+        kind = ev[0]
+        if kind == E.EVENT_WAIT and ev[2] == agent:
+            end = i + 1
+        elif (kind == E.EVENT_RECORD and ev[2] == agent) or kind not in (E.EVENT_RECORD, E.EVENT_WAIT):
+            break
+    return end
 
 
 def _maybe_pinned_output(plan, args, kwargs) -> bool:

@@ -1,0 +1,47 @@
+"""Where the tracer puts the events fired inside an op (CPU: the events are built by hand, as PyTorch's GPU trace
+callbacks deliver them on a GPU). Allocations precede the op; a cross-device copy's first barrier (the
+destination stream's event, waited for by the copying stream) precedes it; everything else follows it."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from streamsan import events as E  # noqa: E402
+from streamsan.sink import EventBuffer  # noqa: E402
+from streamsan.tracers.torch import TorchTracer  # noqa: E402
+
+SRC, DST = 1, 2  # the current streams of the source and destination devices
+DEV0, DEV1 = 0x7000_0000, 0x9000_0000
+
+
+def place(inner):
+    tracer = TorchTracer(EventBuffer())
+    evs = [("before",)]
+    evs += inner
+    op = E.op(SRC, "aten::copy_", reads=[E.rng(0, DEV0, 64)], writes=[E.rng(1, DEV1, 64)])
+    tracer._place(evs, 1, op, None)
+    return [("OP",) if ev is op else ev for ev in evs[1:]]
+
+
+def test_a_cross_device_copy_waits_for_the_destination_before_and_signals_it_after():
+    dst_ready = [E.event_record(11, DST), E.event_wait(11, SRC)]
+    src_ready = [E.event_record(12, SRC), E.event_wait(12, DST)]
+    assert place(dst_ready + src_ready) == dst_ready + [("OP",)] + src_ready
+
+
+def test_allocations_first_and_the_pinned_allocators_event_and_syncs_after():
+    a = E.alloc(0, DEV0 + 4096, 0, SRC)
+    rec = E.event_record(13, SRC)
+    sync = E.stream_sync(SRC)
+    assert place([a, rec, sync]) == [a, ("OP",), rec, sync]
+
+
+def test_a_wait_after_the_ops_own_record_stays_after():
+    rec = E.event_record(14, SRC)
+    wait = E.event_wait(15, SRC)
+    assert place([rec, wait]) == [("OP",), rec, wait]
+
+
+def test_a_copy_whose_events_are_all_on_other_streams_keeps_them_after():
+    other = [E.event_record(16, DST), E.event_wait(16, 3)]
+    assert place(other) == [("OP",)] + other
