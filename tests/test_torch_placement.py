@@ -45,3 +45,31 @@ def test_a_wait_after_the_ops_own_record_stays_after():
 def test_a_copy_whose_events_are_all_on_other_streams_keeps_them_after():
     other = [E.event_record(16, DST), E.event_wait(16, 3)]
     assert place(other) == [("OP",)] + other
+
+
+NCCL = 7
+
+
+def place_collective(inner):
+    tracer = TorchTracer(EventBuffer())
+    evs = [("before",)] + inner
+    op = E.op(SRC, "c10d::allreduce_", writes=[E.rng(0, DEV0, 64)])
+    tracer._place(evs, 1, op, None, collective=True)
+    return [("OP", ev[1]) if ev[0] == E.OP else ev for ev in evs[1:]]
+
+
+def test_a_collective_runs_on_the_stream_that_waited_for_the_current_one():
+    handoff = [E.event_record(21, SRC), E.event_wait(21, NCCL)]
+    end = [E.event_record(22, NCCL)]
+    assert place_collective(handoff + end) == handoff + [("OP", NCCL)] + end
+
+
+def test_a_synchronous_collective_also_makes_the_current_stream_wait_after_it():
+    handoff = [E.event_record(21, SRC), E.event_wait(21, NCCL)]
+    after = [E.event_record(22, NCCL), E.event_wait(22, SRC)]
+    assert place_collective(handoff + after) == handoff + [("OP", NCCL)] + after
+
+
+def test_a_collective_without_a_hand_off_stays_on_the_current_stream():
+    other = [E.event_record(23, 3), E.event_wait(23, NCCL)]
+    assert place_collective(other) == [("OP", SRC)] + other

@@ -39,6 +39,18 @@ def test_plan(op, expected):
     assert shape(op) == expected
 
 
+def test_collectives_write_every_tensor_they_take_and_wait_tensor_is_a_wait():
+    if not torch.distributed.is_available():
+        pytest.skip("this torch has no torch.distributed")
+
+    c10d = torch.ops.c10d
+    assert shape(c10d.allreduce_.default)["writes"] == ["tensors"]
+    assert shape(c10d.allgather_.default)["writes"] == ["output_tensors", "input_tensors"]
+    assert OpPlan(c10d.allgather_.default).collective
+    assert shape(torch.ops._c10d_functional.wait_tensor.default)["skip"]
+    assert not OpPlan(aten.add.Tensor).collective
+
+
 def test_list_arguments_are_marked():
     p = OpPlan(aten.cat.default)
     assert [(n, is_list) for _, n, _, is_list in p.tensor_args] == [("tensors", True)]

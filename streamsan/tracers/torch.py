@@ -45,9 +45,13 @@ NO_ACCESS = frozenset({
     "_nested_tensor_size", "_nested_tensor_strides", "empty", "empty_strided", "empty_like", "new_empty",
     "new_empty_strided", "_empty_affine_quantized", "lift_fresh", "alias", "detach", "_has_compatible_shallow_copy_type",
     "data", "is_same_size", "_version", "set_data", "_fw_primal", "_make_dual", "_unpack_dual", "resize_",
+    "wait_tensor",  # _c10d_functional: makes the current stream wait for the collective (an event wait)
 })
 # Ops whose CPU output is pinned memory.
 PINNING = frozenset({"_pin_memory", "pin_memory"})
+# Ops of these namespaces enqueue their kernels on a communication stream of their own (NCCL's), after making it
+# wait for the current stream.
+COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::")
 COPIES = frozenset({"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "to"})
 _FACTORY_SUFFIX = ("_like",)
 _FACTORY_PREFIX = ("new_",)
@@ -56,11 +60,13 @@ _FACTORY_PREFIX = ("new_",)
 class OpPlan:
     """How to read one op overload's accesses from its arguments, derived once from its schema.
 
-    ``tensor_args``: (position, name, is_write, is_list) for every tensor argument the kernel touches.
+    ``tensor_args``: (position, name, is_write, is_list) for every tensor argument the kernel touches (a list
+    of lists, ``Tensor[][]``, is flattened at dispatch).
     ``fresh_outputs``: whether returned tensors are new memory the op writes. ``skip``: no access at all.
     """
 
-    __slots__ = ("name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy", "pinning")
+    __slots__ = ("name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy", "pinning",
+                 "collective")
 
     def __init__(self, func):
         schema = func._schema
@@ -69,7 +75,10 @@ class OpPlan:
         self.metadata_inplace = base in METADATA_INPLACE
         self.is_copy = base in COPIES
         self.pinning = base in PINNING
+        self.collective = schema.name.startswith(COLLECTIVE_NAMESPACES)
         factory = base.endswith(_FACTORY_SUFFIX) or base.startswith(_FACTORY_PREFIX)
+        # c10d's in-place collectives carry no alias annotations: every tensor they take may be written
+        inplace_collective = self.collective and base.endswith("_")
         args = []
         for i, a in enumerate(schema.arguments):
             t = a.type
@@ -77,14 +86,14 @@ class OpPlan:
             if kind is None:
                 continue
             alias = a.alias_info
-            is_write = bool(alias is not None and alias.is_write)
+            is_write = bool(alias is not None and alias.is_write) or inplace_collective
             if alias is not None and not is_write:
                 continue  # a view of this argument: metadata only
             if factory and not is_write:
                 continue  # *_like / new_*: only the input's metadata
             if self.metadata_inplace:
                 continue
-            args.append((i if not a.kwarg_only else -1, a.name, is_write, kind == "list"))
+            args.append((i if not a.kwarg_only else -1, a.name, is_write, kind != "tensor"))
         self.tensor_args = tuple(args)
         self.fresh_outputs = bool(schema.returns) and all(
             r.alias_info is None for r in schema.returns) and any(_tensor_kind(r.type) for r in schema.returns)
@@ -97,6 +106,8 @@ def _tensor_kind(t):
         return "tensor"
     if s in ("Tensor[]", "Tensor?[]", "List[Tensor]", "List[Optional[Tensor]]", "Tensor(a)[]", "Tensor(a!)[]"):
         return "list"
+    if s in ("List[List[Tensor]]", "Tensor[][]"):
+        return "nested"
     if s.startswith("Tensor") and "[]" in s:
         return "list"
     return None
@@ -570,6 +581,8 @@ class TorchTracer:
             if v is None:
                 continue
             if is_list:
+                if v and isinstance(v[0], (list, tuple)):
+                    v = [t for sub in v for t in sub]
                 for t in v:
                     if t is None:
                         continue
@@ -633,7 +646,7 @@ class TorchTracer:
         evs = self.buffer.events
         op = (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
         if len(evs) > mark:
-            self._place(evs, mark, op, out if plan.fresh_outputs else None)
+            self._place(evs, mark, op, out if plan.fresh_outputs else None, collective=plan.collective)
         else:
             evs.append(op)
         if len(evs) >= self.buffer.batch and outer is None:
@@ -687,9 +700,10 @@ class TorchTracer:
                     stack = self.stacks.capture(evs, 3)
                 evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or stack, ev[6], what)
 
-    def _place(self, evs, mark, op, out, pre=()) -> None:
-        """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the op,
-        then everything else (a blocking copy's synchronization, the pinned allocator's event record)."""
+    def _place(self, evs, mark, op, out, pre=(), collective: bool = False) -> None:
+        """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the barrier
+        its kernel waits for (:func:`_kernel_position`), then the op, then everything else (a blocking copy's
+        synchronization, the pinned allocator's event record). A collective is moved to the stream it runs on."""
         sizes = self._output_blocks(out)
         if not pre and all(ev[0] == E.ALLOC for ev in evs[mark:]):  # the common case: only allocations
             for i in range(mark, len(evs)):
@@ -713,7 +727,9 @@ class TorchTracer:
                 evs.append(ev)
             else:
                 rest.append(ev)
-        barrier = _barrier_end(rest, op[1])
+        barrier, agent = _kernel_position(rest, op[1], collective)
+        if agent != op[1]:
+            op = (op[0], agent) + op[2:]
         evs.extend(rest[:barrier])
         evs.append(op)
         evs.extend(rest[barrier:])
@@ -788,11 +804,19 @@ class TorchTracer:
         self._emit((E.RECORD_STREAM, t.get_device(), base, a, self.stacks.capture(self.buffer.events, 3)))
 
 
-def _barrier_end(inner: list, agent: int) -> int:
-    """How many of the events fired inside an op happened before its kernel: the barrier a cross-device copy
-    enqueues first (an event recorded on the destination's stream, then waited for by the op's own stream).
-    Everything from the first event recorded on the op's own stream on (the copy's completion barrier, the pinned
-    allocator's event) and synchronizations of the host come after the kernel."""
+def _kernel_position(inner: list, agent: int, collective: bool) -> tuple[int, int]:
+    """(how many of the events fired inside an op happened before its kernel, the agent the kernel runs on).
+
+    Before the kernel: the barrier a cross-device copy enqueues first (an event recorded on the destination's
+    stream, then waited for by the op's own stream); for a collective, the hand-off to its communication stream
+    (an event recorded on the current stream, then waited for by that stream, where the kernel runs). Everything
+    from the first event recorded on the op's own stream on (a copy's completion barrier, the pinned allocator's
+    event, a collective's end event) and synchronizations of the host come after the kernel."""
+    if collective and len(inner) >= 2:
+        rec, wait = inner[0], inner[1]
+        if rec[0] == E.EVENT_RECORD and rec[2] == agent and wait[0] == E.EVENT_WAIT and wait[1] == rec[1] \
+                and wait[2] != agent:
+            return 2, wait[2]
     end = 0
     for i, ev in enumerate(inner):
         kind = ev[0]
@@ -800,7 +824,7 @@ def _barrier_end(inner: list, agent: int) -> int:
             end = i + 1
         elif (kind == E.EVENT_RECORD and ev[2] == agent) or kind not in (E.EVENT_RECORD, E.EVENT_WAIT):
             break
-    return end
+    return end, agent
 
 
 def _maybe_pinned_output(plan, args, kwargs) -> bool:
