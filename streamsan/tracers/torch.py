@@ -29,6 +29,7 @@ from .. import events as E
 from ..agents import StreamRegistry
 from ..stacks import StackTable
 
+_STRIDED = torch.strided
 _cuda_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
@@ -142,9 +143,25 @@ class _Mode(TorchDispatchMode):
         self.tracer = tracer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.tracer.tracing:
+        if not self.tracer.tracing or (types and _without_memory(types)):
             return func(*args, **(kwargs or {}))
         return self.tracer._dispatch(func, args, kwargs or {})
+
+
+_NO_MEMORY = ("FakeTensor", "FunctionalTensor")
+_memoryless: dict = {}
+
+
+def _without_memory(types) -> bool:
+    """Whether an op involves tensor subclasses that stand for no real memory (fake tensors of tracing
+    compilers, functionalization wrappers): such ops are not accesses."""
+    for ty in types:
+        known = _memoryless.get(ty)
+        if known is None:
+            known = _memoryless[ty] = any(c.__name__ in _NO_MEMORY for c in ty.__mro__)
+        if known:
+            return True
+    return False
 
 
 def _dynamo_safe() -> None:
@@ -487,12 +504,14 @@ class TorchTracer:
         return None
 
     def _range_in(self, t, space: int):
-        n = t.nbytes
-        if n == 0:
-            return None
         try:
+            n = t.nbytes
+            if n == 0:
+                return None
             p = t.data_ptr()
-        except RuntimeError:
+        except RuntimeError:  # sparse and other layouts, tensors without storage
+            what = f"{t.layout} tensors" if t.layout is not _STRIDED else "tensors without storage"
+            self._note_once(f"layout:{what}", f"{what} are not analyzed (streamsan follows strided memory only)")
             return None
         if space == E.PINNED:
             if not self._is_pinned(t, p):
@@ -526,7 +545,7 @@ class TorchTracer:
         before tracing started, or by a path the tracer does not see)."""
         for pos, name, _w, is_list in plan.tensor_args:
             v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
-            if isinstance(v, torch.Tensor) and v.is_cpu and v.nbytes:
+            if isinstance(v, torch.Tensor) and v.is_cpu and v.layout is _STRIDED and v.nbytes:
                 p = v.data_ptr()
                 if p and not self._is_pinned(v, p) and v.is_pinned():
                     ev = self._register_pinned(v)
@@ -656,7 +675,7 @@ class TorchTracer:
     def _copy_flags(self, cpu, cpu_written, args, kwargs) -> int:
         """OP_BLOCKING for copies the host waits for: into pageable memory (CUDA returns once it is done, even
         when non_blocking), and blocking copies (their stream synchronization is also reported by PyTorch)."""
-        p = cpu.data_ptr()
+        p = cpu.data_ptr() if cpu.layout is _STRIDED else 0
         if not p:
             return 0
         pinned = self._is_pinned(cpu, p)
@@ -683,7 +702,7 @@ class TorchTracer:
         sizes = {}
         if out is not None:
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor) and t.is_cuda:
+                if isinstance(t, torch.Tensor) and t.is_cuda and t.layout is _STRIDED:
                     st = t.untyped_storage()
                     sizes[st.data_ptr()] = (st.nbytes(), describe(t))
         return sizes
@@ -769,7 +788,7 @@ class TorchTracer:
             self.op_agent = outer
         pre = []
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.is_cpu and t.nbytes and t.is_pinned():
+            if isinstance(t, torch.Tensor) and t.is_cpu and t.layout is _STRIDED and t.nbytes and t.is_pinned():
                 ev = self._register_pinned(t, stack)
                 if ev is not None:
                     pre.append(ev)
@@ -796,7 +815,7 @@ class TorchTracer:
 
     def _record_stream(self, args) -> None:
         t, s = args[0], args[1]
-        if not isinstance(t, torch.Tensor) or not t.is_cuda:
+        if not isinstance(t, torch.Tensor) or not t.is_cuda or t.layout is not _STRIDED:
             return
         dev, handle = _stream_key(s)
         a = self.agent(dev, handle)
