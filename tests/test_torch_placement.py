@@ -73,3 +73,34 @@ def test_a_synchronous_collective_also_makes_the_current_stream_wait_after_it():
 def test_a_collective_without_a_hand_off_stays_on_the_current_stream():
     other = [E.event_record(23, 3), E.event_wait(23, NCCL)]
     assert place_collective(other) == [("OP", SRC)] + other
+
+
+def test_an_op_whose_run_saw_another_threads_flush_is_not_lost():
+    from streamsan.tracers.torch import OpPlan
+
+    got = []
+    tracer = TorchTracer(EventBuffer([got.extend]))
+    plan = OpPlan(torch.ops.aten.add.Tensor)
+    pinned = E.rng(E.PINNED, 0x5000, 16)
+
+    def op_run_while_another_thread_flushes(*args, **kwargs):
+        tracer.buffer.events.append(("other thread",))
+        tracer.buffer.flush()
+        return torch.ones(1)
+
+    tracer._host_op(op_run_while_another_thread_flushes, plan, (), {}, [pinned], [])
+    tracer.buffer.flush()
+    assert [ev[:3] for ev in got if ev[0] != E.DEF_STACK] == [("other thread",), (E.OP, E.HOST, "aten::add.Tensor")]
+
+
+def test_allocations_inside_an_op_belong_to_its_stream_only_in_its_own_thread():
+    import threading
+
+    tracer = TorchTracer(EventBuffer())
+    tracer.op_agent = (0, SRC, 0, 0, threading.get_ident())
+    tracer._on_alloc(0x7000)
+    assert tracer.buffer.events[-1][:5] == (E.ALLOC, 0, 0x7000, 0, SRC)
+    tracer.op_agent = (0, SRC, 0, 0, threading.get_ident() + 1)  # another thread's op
+    tracer.in_scope = 0  # (with the tracer on, the allocation would go to this thread's current stream)
+    tracer._on_alloc(0x8000)
+    assert tracer.buffer.events[-1][2] == 0x7000

@@ -30,6 +30,7 @@ from ..agents import StreamRegistry
 from ..stacks import StackTable
 
 _STRIDED = torch.strided
+_get_ident = threading.get_ident
 _cuda_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
@@ -232,7 +233,7 @@ class TorchTracer:
         self.live_device: dict[int, int] = {}
         self.pinned: dict[int, int] = {}  # base pointer -> bytes of pinned host blocks seen
         self.ctx = 0
-        self.op_agent = None  # (device, agent) of the op being dispatched, for its allocations
+        self.op_agent = None  # (device, agent, stack, ctx, thread) of the op being dispatched, for its allocations
         self.saw_cuda = False
         self.running = False
         self.tracing = False  # running, and not inside a CUDA graph capture
@@ -330,9 +331,12 @@ class TorchTracer:
 
     # ------------------------------------------------------------------ GPU trace callbacks
     def _emit(self, ev) -> None:
+        """Append an event fired outside the dispatch mode's view (a callback, a patched method). Ops flush the
+        buffer when they end; this flushes only when callbacks alone have filled it several times over, so that a
+        flush never splits an op from the events fired inside it."""
         evs = self.buffer.events
         evs.append(ev)
-        if len(evs) >= self.buffer.batch and self.op_agent is None:
+        if len(evs) >= 4 * self.buffer.batch and self.op_agent is None:
             self.buffer.flush()
 
     def _on_event_delete(self, e):
@@ -355,7 +359,7 @@ class TorchTracer:
 
     def _on_alloc(self, ptr):
         cur = self.op_agent
-        if cur is None:
+        if cur is None or cur[4] != _get_ident():  # outside an op (or inside another thread's)
             if not self.in_scope:
                 return
             dev = _cuda_get_device()
@@ -581,6 +585,9 @@ class TorchTracer:
             evs = self.buffer.events
             mark = len(evs)
             out = func(*args, **kwargs)
+            if self.buffer.events is not evs:  # another thread flushed while the op ran
+                evs = self.buffer.events
+                mark = 0
             if len(evs) > mark:  # an allocating op that touches no data (empty, empty_like, ...)
                 self._fill_alloc_sizes(evs, mark, out)
             return out
@@ -636,16 +643,20 @@ class TorchTracer:
             return self._host_op(func, plan, args, kwargs, reads, writes)
         evs = self.buffer.events
         ctx = self.ctx
-        outer = self.op_agent
+        mine = None
         if dev >= 0:
             a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
             stack = self.stacks.capture(evs, 2)
-            self.op_agent = (dev, a, stack, ctx)
+            mine = self.op_agent = (dev, a, stack, ctx, _get_ident())
         mark = len(evs)
         try:
             out = func(*args, **kwargs)
         finally:
-            self.op_agent = outer
+            if mine is not None and self.op_agent is mine:
+                self.op_agent = None
+        if self.buffer.events is not evs:  # another thread flushed while the op ran: all since then is inside it
+            evs = self.buffer.events
+            mark = 0
         if plan.fresh_outputs:
             if dev < 0:
                 dev = _cuda_device_of(out)
@@ -662,13 +673,12 @@ class TorchTracer:
         flags = 0
         if plan.is_copy and cpu is not None:
             flags = self._copy_flags(cpu, cpu_written, args, kwargs)
-        evs = self.buffer.events
         op = (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
         if len(evs) > mark:
             self._place(evs, mark, op, out if plan.fresh_outputs else None, collective=plan.collective)
         else:
             evs.append(op)
-        if len(evs) >= self.buffer.batch and outer is None:
+        if len(evs) >= self.buffer.batch and self.op_agent is None:
             self.buffer.flush()
         return out
 
@@ -755,11 +765,11 @@ class TorchTracer:
 
     def _host_op(self, func, plan, args, kwargs, reads, writes):
         """An op on CPU tensors that touches pinned memory: a host access."""
-        evs = self.buffer.events
-        stack = self.stacks.capture(evs, 3)
+        stack = self.stacks.capture(self.buffer.events, 3)
         out = func(*args, **kwargs)
         if plan.fresh_outputs:
             self._outputs(out, writes)
+        evs = self.buffer.events
         evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0))
         if len(evs) >= self.buffer.batch and self.op_agent is None:
             self.buffer.flush()
@@ -779,13 +789,17 @@ class TorchTracer:
         if dev >= 0:
             self.saw_cuda = True
             a = self.agent(dev, _cuda_raw_stream(dev))
-        outer = self.op_agent
-        self.op_agent = (dev, a, stack, self.ctx) if dev >= 0 else None
+        mine = None
+        if dev >= 0:
+            mine = self.op_agent = (dev, a, stack, self.ctx, _get_ident())
         mark = len(evs)
         try:
             out = func(*args, **kwargs)
         finally:
-            self.op_agent = outer
+            if mine is not None and self.op_agent is mine:
+                self.op_agent = None
+        if self.buffer.events is not evs:
+            mark = 0
         pre = []
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and t.is_cpu and t.layout is _STRIDED and t.nbytes and t.is_pinned():
