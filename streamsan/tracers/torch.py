@@ -678,7 +678,7 @@ class TorchTracer:
             self._place(evs, mark, op, out if plan.fresh_outputs else None, collective=plan.collective)
         else:
             evs.append(op)
-        if len(evs) >= self.buffer.batch and self.op_agent is None:
+        if len(evs) >= self.buffer.batch:  # (ops of other threads still running see the new list)
             self.buffer.flush()
         return out
 
@@ -771,7 +771,7 @@ class TorchTracer:
             self._outputs(out, writes)
         evs = self.buffer.events
         evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0))
-        if len(evs) >= self.buffer.batch and self.op_agent is None:
+        if len(evs) >= self.buffer.batch:  # (ops of other threads still running see the new list)
             self.buffer.flush()
         return out
 
