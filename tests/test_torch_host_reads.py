@@ -72,3 +72,11 @@ def test_pageable_tensors_and_untraced_calls_emit_nothing(traced):
     host.tolist()  # after stop: the patches are gone
     assert "numpy" not in torch.Tensor.__dict__ and "tolist" not in torch.Tensor.__dict__
     assert finding(analyzer) == []
+
+
+def test_a_call_that_raises_reads_nothing(traced):
+    tracer, analyzer, host = traced
+    with pytest.raises(RuntimeError):
+        host.requires_grad_().numpy()  # PyTorch refuses: no read happened
+    tracer.stop()
+    assert finding(analyzer) == []

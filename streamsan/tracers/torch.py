@@ -424,9 +424,10 @@ class TorchTracer:
 
             def make(orig, name):
                 def read(self, *a, **k):
+                    out = orig(self, *a, **k)  # a call that raises read nothing
                     if tracer.pinned and tracer.tracing and self.is_cpu:
                         tracer._host_read(self, name)
-                    return orig(self, *a, **k)
+                    return out
                 read.__wrapped__ = orig
                 read.__doc__ = orig.__doc__
                 return read
