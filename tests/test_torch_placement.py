@@ -58,6 +58,17 @@ def place_collective(inner):
     return [("OP", ev[1]) if ev[0] == E.OP else ev for ev in evs[1:]]
 
 
+def test_the_stream_a_collective_runs_on_is_named_in_reports():
+    tracer = TorchTracer(EventBuffer())
+    src, nccl = tracer.agent(0, 0x1000), tracer.agent(0, 0x4000)
+    handoff = [E.event_record(21, src), E.event_wait(21, nccl)]
+    for _ in range(2):
+        evs = [("before",)] + handoff
+        tracer._place(evs, 1, E.op(src, "c10d::allreduce_"), None, collective=True)
+        named = [ev for ev in evs if ev[0] == E.STREAM]
+        assert named == ([(E.STREAM, nccl, 0, 0x4000, 0, "collective stream")] if _ == 0 else [])
+
+
 def test_a_collective_runs_on_the_stream_that_waited_for_the_current_one():
     handoff = [E.event_record(21, SRC), E.event_wait(21, NCCL)]
     end = [E.event_record(22, NCCL)]

@@ -243,6 +243,7 @@ class TorchTracer:
         self.on_note = None  # the session's note function (also tells the user once); else a NOTE event
         self._scope_depth = threading.local()
         self._patched: list = []
+        self._collective_agents: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -760,9 +761,20 @@ class TorchTracer:
         barrier, agent = _kernel_position(rest, op[1], collective)
         if agent != op[1]:
             op = (op[0], agent) + op[2:]
+            self._name_collective_stream(evs, agent)
         evs.extend(rest[:barrier])
         evs.append(op)
         evs.extend(rest[barrier:])
+
+    def _name_collective_stream(self, evs, agent: int) -> None:
+        """Reports call the stream a collective ran on "collective stream" (it is the library's own)."""
+        if agent in self._collective_agents:
+            return
+        self._collective_agents.add(agent)
+        for key, a in self.agent_of.items():
+            if a == agent:
+                evs.append((E.STREAM, agent, key[0], key[1], self.streams.flags_of.get(key, 0), "collective stream"))
+                return
 
     def _host_op(self, func, plan, args, kwargs, reads, writes):
         """An op on CPU tensors that touches pinned memory: a host access."""
