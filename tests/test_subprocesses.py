@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -167,3 +168,43 @@ def test_wrap_waits_for_processes_that_still_write_their_trace(tmp_path):
     finally:
         slow.kill()
         slow.wait()
+
+
+TORCHRUN = textwrap.dedent(f"""
+    import json, os, sys
+    import torch.distributed as dist
+    sys.path.insert(0, {str(_HERE)!r})
+    import report_scenarios as S
+    import streamsan.session
+
+    dist.init_process_group("gloo")
+    streamsan.session.current().buffer.events.extend(S.pinned_d2h_then_h2d())
+    with open(f"pid-{{dist.get_rank()}}.json", "w") as f:
+        json.dump(os.getpid(), f)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_workers_are_traced_and_merged(tmp_path):
+    torch = pytest.importorskip("torch")
+    launcher = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not torch.distributed.is_available() or not os.path.exists(launcher):
+        pytest.skip("needs torch.distributed and its torchrun script")
+    (tmp_path / "prog.py").write_text(TORCHRUN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMSAN_")}
+    env["PYTHONPATH"] = str(ROOT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "streamsan", "wrap", "--", launcher, "--nproc_per_node", "2",
+                           "--master_port", str(port), "prog.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    workers = sorted(json.loads((tmp_path / f"pid-{r}.json").read_text()) for r in range(2))
+    rep = json.loads((tmp_path / "streamsan-report.json").read_text())
+    by_pid = {p["pid"]: p for p in rep["processes"]}
+    assert len(by_pid) == 3 and set(workers) < set(by_pid)  # the launcher and its two workers
+    assert [by_pid[w]["races"] for w in workers] == [1, 1]
+    assert [(r["kind"], r["count"]) for r in rep["races"]] == [("device-device", 2)]
+    assert rep["complete"] is True
