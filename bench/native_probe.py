@@ -35,7 +35,7 @@ def build():
     from torch.utils.cpp_extension import load
 
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_probe", "observer.cpp")
-    return load(name="streamsan_native_probe_v2", sources=[src], build_directory=tempfile.mkdtemp(),
+    return load(name="streamsan_native_probe", sources=[src], build_directory=tempfile.mkdtemp(),
                 extra_cflags=["-O2", "-DNDEBUG"], verbose=False)
 
 

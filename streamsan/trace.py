@@ -33,6 +33,7 @@ import time
 import zlib
 
 from . import events as E
+from .inputs import open_input
 
 MAGIC = b"SSTRACE1"
 FORMAT = "streamsan.trace/1"
@@ -115,14 +116,7 @@ class TraceReader:
 
     def __init__(self, path: str):
         self.path = path
-        try:
-            self.f = open(path, "rb")
-        except FileNotFoundError:
-            raise TraceError(f"{path}: no such trace file") from None
-        except IsADirectoryError:
-            raise TraceError(f"{path}: is a directory, not a trace file") from None
-        except OSError as e:
-            raise TraceError(f"{path}: cannot read ({e.strerror})") from None
+        self.f = open_input(path, "trace", TraceError, "rb")
         magic = self.f.read(len(MAGIC))
         if magic != MAGIC:
             self.f.close()

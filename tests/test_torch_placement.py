@@ -62,11 +62,11 @@ def test_the_stream_a_collective_runs_on_is_named_in_reports():
     tracer = TorchTracer(EventBuffer())
     src, nccl = tracer.agent(0, 0x1000), tracer.agent(0, 0x4000)
     handoff = [E.event_record(21, src), E.event_wait(21, nccl)]
-    for _ in range(2):
+    for first in (True, False):  # named once
         evs = [("before",)] + handoff
         tracer._place(evs, 1, E.op(src, "c10d::allreduce_"), None, collective=True)
         named = [ev for ev in evs if ev[0] == E.STREAM]
-        assert named == ([(E.STREAM, nccl, 0, 0x4000, 0, "collective stream")] if _ == 0 else [])
+        assert named == ([(E.STREAM, nccl, 0, 0x4000, 0, "collective stream")] if first else [])
 
 
 def test_a_collective_runs_on_the_stream_that_waited_for_the_current_one():

@@ -6,6 +6,7 @@ import json
 import os
 import re
 
+from ..inputs import open_input
 from .build import SCHEMA
 
 REQUIRED = ("schema", "command", "environment", "summary", "races")
@@ -19,13 +20,10 @@ class ReportError(Exception):
 
 def load_report(path: str) -> dict:
     """Read a report and check that it is a ``streamsan.report/1`` report (top-level shape only)."""
+    f = open_input(path, "report", ReportError, encoding="utf-8")
     try:
-        with open(path, encoding="utf-8") as f:
+        with f:
             data = json.load(f)
-    except FileNotFoundError:
-        raise ReportError(f"{path}: no such report file") from None
-    except IsADirectoryError:
-        raise ReportError(f"{path}: is a directory, not a report file") from None
     except OSError as e:
         raise ReportError(f"{path}: cannot read ({e.strerror})") from None
     except (ValueError, UnicodeDecodeError):

@@ -714,8 +714,11 @@ class TorchTracer:
         sizes = {}
         if out is not None:
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor) and t.is_cuda and t.layout is _STRIDED:
-                    st = t.untyped_storage()
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    try:
+                        st = t.untyped_storage()
+                    except RuntimeError:  # sparse: no single storage
+                        continue
                     sizes[st.data_ptr()] = (st.nbytes(), describe(t))
         return sizes
 
