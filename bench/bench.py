@@ -9,7 +9,9 @@ Workloads (DESIGN and issue 5): ``decode`` / ``decode_offload``: greedy decode o
 2048-token prompt; ``big_prefill``: the same model, 3 forwards of batch 8 x 4096 tokens; ``micro``: 100k small
 elementwise ops over 4 streams with events and waits.
 
-Modes: ``plain``; ``floor`` (a TorchDispatchMode that only calls the op); ``record`` (streamsan tracing into a
+Modes: ``plain``; ``floor`` (a TorchDispatchMode that only calls the op); ``callbacks`` (PyTorch's GPU trace
+callbacks switched on, reaching no tracer: what the hooks scope cannot avoid paying); ``record`` (streamsan tracing
+into a
 trace file, as each process under ``streamsan wrap`` does; the analysis runs afterwards in the wrapping process);
 ``full`` (streamsan.watch(): tracing plus in-process analysis); ``hooks`` (``--scope hooks``: only inside the
 transformers cache hooks); ``csan`` (torch.cuda._sanitizer). GPU trace callbacks, once activated, stay on for the
@@ -121,6 +123,10 @@ class Mode:
         if self.name == "floor":
             self.ctx = NoOp()
             self.ctx.__enter__()
+        elif self.name == "callbacks":
+            from streamsan.tracers.torch import _GpuTrace
+
+            _GpuTrace.install()  # PyTorch's GPU trace callbacks on, reaching no tracer: the hooks scope's floor
         elif self.name == "record":
             self.ctx = Session(trace_path=os.path.join(self.tmp, f"bench-{time.time_ns()}.sstrace"),
                                analyze=False).start()
@@ -162,7 +168,7 @@ def measure_rounds(names, fn, rounds, tmp):
 
 
 WORKLOADS = ("decode", "decode_offload", "micro", "big_decode", "big_prefill")
-MODES = ("plain", "floor", "record", "hooks", "full", "csan")
+MODES = ("plain", "floor", "callbacks", "record", "hooks", "full", "csan")
 
 
 def run_workload(w, modes, runs, big_runs):
@@ -181,7 +187,7 @@ def run_workload(w, modes, runs, big_runs):
     # PyTorch's GPU trace callbacks stay on once streamsan or CSAN turned them on: plain and floor first, then
     # streamsan's modes, CSAN (whose callbacks cannot be removed) last, with a single timed run.
     before = [m for m in modes if m in ("plain", "floor")]
-    after = [m for m in modes if m in ("hooks", "record", "full") and m not in skip]
+    after = [m for m in modes if m in ("callbacks", "hooks", "record", "full") and m not in skip]
     res = measure_rounds(before, fn, runs, tmp)
     res.update(measure_rounds(after, fn, runs, tmp))
     if "csan" in modes:

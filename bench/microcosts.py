@@ -1,6 +1,6 @@
 """Per-piece costs of the torch tracer's hot path on a GPU (microseconds per call), to aim optimizations.
 
-    python bench/microcosts.py
+    python bench/microcosts.py [--profile]
 """
 
 import os
@@ -53,6 +53,18 @@ rows = [
     ("x.get_device()", lambda: x.get_device()),
 ]
 out = [(name, per_call(fn)) for name, fn in rows]
+if "--profile" in sys.argv:  # where each traced op's time goes
+    import cProfile
+    import pstats
+
+    for name, fn in rows[:5]:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(3000):
+            fn()
+        prof.disable()
+        print(f"== {name}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(8)
 s.stop()
 out.append(("x.add_(1) plain (untraced)", per_call(lambda: x.add_(1))))
 out.append(("x + y (untraced)", per_call(lambda: x + y)))

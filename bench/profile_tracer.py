@@ -1,6 +1,6 @@
 """Where the tracer's time goes: cProfile of the decode loop under streamsan (record or full mode).
 
-    python bench/profile_tracer.py [--mode record|full] [--offload] [--big] [--steps N]
+    python bench/profile_tracer.py [--mode record|full|hooks] [--offload] [--big] [--steps N]
 """
 
 import argparse
@@ -18,7 +18,7 @@ from bench import decode_workload, qwen3  # noqa: E402
 from streamsan.session import Session  # noqa: E402
 
 p = argparse.ArgumentParser()
-p.add_argument("--mode", default="record", choices=("record", "full"))
+p.add_argument("--mode", default="record", choices=("record", "full", "hooks"))
 p.add_argument("--offload", action="store_true")
 p.add_argument("--big", action="store_true", help="the 6.5B model at batch 8 after a 2048-token prompt")
 p.add_argument("--steps", type=int, default=32)
@@ -29,8 +29,9 @@ if a.big:
 else:
     fn = decode_workload(qwen3(1024, 8, 8, 8, 128, 3072), 1, 512, a.steps, offloading=a.offload)
 fn()
-s = Session(trace_path=os.path.join(tempfile.mkdtemp(), "p.sstrace") if a.mode == "record" else None,
-            analyze=a.mode == "full").start()
+s = Session(scope="hooks" if a.mode == "hooks" else "full",
+            trace_path=os.path.join(tempfile.mkdtemp(), "p.sstrace") if a.mode == "record" else None,
+            analyze=a.mode != "record").start()
 fn()
 prof = cProfile.Profile()
 prof.enable()

@@ -133,7 +133,8 @@ class _Mode(TorchDispatchMode):
     """The dispatch mode; all work is in :meth:`TorchTracer._dispatch`.
 
     PyTorch wraps a mode's ``__torch_dispatch__`` so that Dynamo never compiles it, at a cost of about a
-    microsecond per op. streamsan skips that wrapper until Dynamo is in use (:func:`_dynamo_safe`)."""
+    microsecond per op. streamsan skips that wrapper: once Dynamo is loaded, streamsan's files are put on Dynamo's
+    skip list instead (:func:`_dynamo_safe`), which costs nothing per op."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -166,7 +167,21 @@ def _without_memory(types) -> bool:
 
 
 def _dynamo_safe() -> None:
-    """Wrap the mode's dispatch so that Dynamo does not compile it (once torch.compile is in use)."""
+    """Keep Dynamo from compiling the tracer's own frames (they run inside compiled functions' eager parts).
+
+    Puts the ``streamsan`` package on Dynamo's skip list; a torch without that list gets PyTorch's per-call
+    wrapper around the mode's dispatch instead."""
+    global _dynamo_skipped
+    if _dynamo_skipped:
+        return
+    try:
+        from torch._dynamo import trace_rules
+
+        trace_rules.add(__name__.split(".")[0])
+        _dynamo_skipped = True
+        return
+    except (ImportError, AttributeError):
+        pass
     raw = _Mode.__dict__["__torch_dispatch__"]
     if not getattr(raw, "_streamsan_dynamo_safe", False):
         safe = torch._disable_dynamo(raw, recursive=True)
@@ -174,8 +189,15 @@ def _dynamo_safe() -> None:
         _Mode.__torch_dispatch__ = safe
 
 
+_dynamo_skipped = False
+
+
 class _GpuTrace:
-    """Routes PyTorch's process-wide GPU trace callbacks to the active tracer (they cannot be unregistered)."""
+    """Routes PyTorch's process-wide GPU trace callbacks to the active tracer (they cannot be unregistered).
+
+    PyTorch calls each registry's ``fire_callbacks``, a Python loop over its callbacks; streamsan replaces it on
+    the registries it uses with a direct call (callbacks others register there still run, after streamsan's, and
+    an exception in any callback is logged, never raised into PyTorch)."""
 
     active = None
     installed = False
@@ -187,6 +209,7 @@ class _GpuTrace:
         import torch.cuda._gpu_trace as gt
 
         torch._C._activate_gpu_trace()
+
         def on(name):
             def callback(*args):
                 t = cls.active
@@ -204,15 +227,41 @@ class _GpuTrace:
             if t is not None and t.tracing:
                 t._on_free(ptr)
 
-        gt.register_callback_for_event_deletion(on("_on_event_delete"))
-        gt.register_callback_for_event_record(on("_on_event_record"))
-        gt.register_callback_for_event_wait(on("_on_event_wait"))
-        gt.register_callback_for_memory_allocation(on_alloc)
-        gt.register_callback_for_memory_deallocation(on_free)
-        gt.register_callback_for_device_synchronization(on("_on_device_sync"))
-        gt.register_callback_for_stream_synchronization(on("_on_stream_sync"))
-        gt.register_callback_for_event_synchronization(on("_on_event_sync"))
+        for registry, callback in (
+                (gt.EventDeletionCallbacks, on("_on_event_delete")), (gt.EventRecordCallbacks, on("_on_event_record")),
+                (gt.EventWaitCallbacks, on("_on_event_wait")), (gt.MemoryAllocationCallbacks, on_alloc),
+                (gt.MemoryDeallocationCallbacks, on_free),
+                (gt.DeviceSynchronizationCallbacks, on("_on_device_sync")),
+                (gt.StreamSynchronizationCallbacks, on("_on_stream_sync")),
+                (gt.EventSynchronizationCallbacks, on("_on_event_sync"))):
+            registry.add_callback(callback)
+            registry.fire_callbacks = _direct_fire(registry, callback)
         cls.installed = True
+
+
+def _direct_fire(registry, ours):
+    """A registry's ``fire_callbacks``: streamsan's callback first, then any others registered there."""
+    others = registry.callback_list
+
+    def fire(*args):
+        try:
+            ours(*args)
+        except Exception:
+            _log_callback_error(registry.name)
+        if len(others) > 1:
+            for cb in others:
+                if cb is not ours:
+                    try:
+                        cb(*args)
+                    except Exception:
+                        _log_callback_error(registry.name)
+    return fire
+
+
+def _log_callback_error(what: str) -> None:
+    import logging
+
+    logging.getLogger("streamsan").exception("exception in a GPU trace callback for %s", what)
 
 
 class TorchTracer:
@@ -738,6 +787,15 @@ class TorchTracer:
         """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the barrier
         its kernel waits for (:func:`_kernel_position`), then the op, then everything else (a blocking copy's
         synchronization, the pinned allocator's event record). A collective is moved to the stream it runs on."""
+        if not pre and len(evs) == mark + 1 and evs[mark][0] == E.ALLOC and type(out) is torch.Tensor:
+            ev = evs[mark]  # the most common case: one output, one allocation
+            if ev[3] == 0 and out.is_cuda and out.layout is _STRIDED:
+                st = out.untyped_storage()
+                if st.data_ptr() == ev[2]:
+                    evs[mark] = (E.ALLOC, ev[1], ev[2], st.nbytes(), ev[4], ev[5] or op[5], ev[6] or op[6],
+                                 describe(out))
+            evs.append(op)
+            return
         sizes = self._output_blocks(out)
         if not pre and all(ev[0] == E.ALLOC for ev in evs[mark:]):  # the common case: only allocations
             for i in range(mark, len(evs)):
