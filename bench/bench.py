@@ -11,8 +11,8 @@ elementwise ops over 4 streams with events and waits.
 
 Modes: ``plain``; ``floor`` (a TorchDispatchMode that only calls the op); ``callbacks`` (PyTorch's GPU trace
 callbacks switched on, reaching no tracer: what the hooks scope cannot avoid paying); ``record`` (streamsan tracing
-into a
-trace file, as each process under ``streamsan wrap`` does; the analysis runs afterwards in the wrapping process);
+into a trace file, as each process under ``streamsan wrap`` does; the analysis runs afterwards in the wrapping
+process);
 ``full`` (streamsan.watch(): tracing plus in-process analysis); ``hooks`` (``--scope hooks``: only inside the
 transformers cache hooks); ``csan`` (torch.cuda._sanitizer). GPU trace callbacks, once activated, stay on for the
 process, so each workload runs in its own process: plain and floor interleaved over ``--runs`` rounds, then
