@@ -1,4 +1,8 @@
-"""Replay traces recorded on an H200 by tests/gpu/test_{torch,cupy}_scenarios.py: the same exact findings.
+"""Replay traces recorded on an H200 by tests/gpu/: the same exact findings.
+
+``expected.json`` / ``expected_cupy.json``: the scenarios of tests/gpu/test_{torch,cupy}_scenarios.py;
+``expected_more.json``: NCCL collectives (test_collectives.py), copies between two GPUs (test_multi_gpu.py), loader
+threads and a CUDA graph (test_reliability.py).
 
 The traces are real PyTorch programs (torch 2.11, CUDA 13); CI has no GPU, so this is how it checks the whole
 path from a live program's events to findings.
@@ -13,7 +17,8 @@ from streamsan.replay import replay_trace
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 EXPECTED = {**json.loads((FIXTURES / "expected.json").read_text()),  # tests/gpu/test_torch_scenarios.py
-            **json.loads((FIXTURES / "expected_cupy.json").read_text())}  # tests/gpu/test_cupy_scenarios.py
+            **json.loads((FIXTURES / "expected_cupy.json").read_text()),  # tests/gpu/test_cupy_scenarios.py
+            **json.loads((FIXTURES / "expected_more.json").read_text())}
 
 
 def summarize(report):
@@ -30,3 +35,10 @@ def test_replayed_scenario(name):
     report = replay_trace(str(FIXTURES / f"{name}.sstrace"))
     assert report["complete"] is True
     assert summarize(report) == EXPECTED[name]
+
+
+def test_a_replayed_cuda_graph_capture_says_it_was_not_analyzed():
+    report = replay_trace(str(FIXTURES / "cuda_graph_is_reported_as_not_analyzed.sstrace"))
+    assert report["notes"] == [{"level": "warning",
+                                "text": "CUDA graph capture: the captured work and its replays are not analyzed"}]
+    assert report["races"] == []

@@ -375,12 +375,6 @@ def tolist_after_event_synchronize():
     p.numpy().sum()
 
 
-NOT_YET_RECORDED = {  # expectations of scenarios whose traces are not in tests/fixtures/gpu yet
-    "tolist_after_async_d2h": [["host-device", "default", "aten::_to_copy", "host", "Tensor.tolist"]],
-    "numpy_after_async_d2h": [["host-device", "default", "aten::_to_copy", "host", "Tensor.numpy"]],
-    "tolist_after_event_synchronize": [],
-}
-
 SCENARIOS = [
     write_default_then_side_write, write_default_then_side_read, side_read_then_default_write,
     host_reads_pinned_after_async_d2h, host_writes_pinned_during_h2d, missing_record_stream,
@@ -395,8 +389,7 @@ SCENARIOS = [
 ]
 # (kind, previous role, previous op, current role, current op) per scenario; shared with the CPU replay test of
 # the traces these scenarios recorded (tests/test_replay_fixtures.py).
-EXPECTED = {**json.loads((Path(__file__).parent.parent / "fixtures" / "gpu" / "expected.json").read_text()),
-            **NOT_YET_RECORDED}
+EXPECTED = json.loads((Path(__file__).parent.parent / "fixtures" / "gpu" / "expected.json").read_text())
 
 
 def test_every_scenario_has_an_expectation():
