@@ -16,7 +16,9 @@ process);
 ``full`` (streamsan.watch(): tracing plus in-process analysis); ``hooks`` (``--scope hooks``: only inside the
 transformers cache hooks); ``csan`` (torch.cuda._sanitizer). GPU trace callbacks, once activated, stay on for the
 process, so each workload runs in its own process: plain and floor interleaved over ``--runs`` rounds, then
-streamsan's modes interleaved, then CSAN (one timed run); one warm-up run each; medians.
+streamsan's modes interleaved, then CSAN (one timed run); one warm-up run each. Each mode's time is its best run:
+the shared host's noise only ever adds time (consecutive plain runs differ by up to 20% there), and the medians are
+printed to stderr beside it.
 Prints one table: each mode's time and its ratio to plain, to the floor and to CSAN.
 """
 
@@ -151,8 +153,8 @@ class Mode:
 
 
 def measure_rounds(names, fn, rounds, tmp):
-    """Interleave the modes over ``rounds`` rounds (after one warm-up each) and take each mode's median, so that
-    drifts of the machine hit every mode alike."""
+    """Interleave the modes over ``rounds`` rounds (after one warm-up each), so that drifts of the machine hit every
+    mode alike; each mode's best run (its median goes to stderr)."""
     times = {n: [] for n in names}
     for r in range(rounds + 1):
         for n in names:
@@ -164,7 +166,9 @@ def measure_rounds(names, fn, rounds, tmp):
                 m.exit()
             if r:
                 times[n].append(t)
-    return {n: statistics.median(v) for n, v in times.items()}
+    for n, v in times.items():
+        print(f"  {n:9s} median {statistics.median(v):8.3f}s over {len(v)} runs", file=sys.stderr, flush=True)
+    return {n: min(v) for n, v in times.items()}
 
 
 WORKLOADS = ("decode", "decode_offload", "micro", "big_decode", "big_prefill")
