@@ -67,7 +67,7 @@ class StackTable:
                 k = self._classify(code)
             if k:
                 key.append(cid)
-                key.append(f.f_lineno)
+                key.append(f.f_lasti)  # the call site; cheaper than f_lineno (no line-table walk)
                 n += 1
                 if k == USER:
                     users += 1
