@@ -1,5 +1,5 @@
 """A traced program that hits a CUDA error (a device-side assert) still leaves a complete report, and its exit
-status is propagated. (Not yet run on a GPU: see the issue notes.)"""
+status is propagated."""
 
 import json
 import subprocess
