@@ -29,17 +29,22 @@ from .stacks import StackTable
 log = logging.getLogger("streamsan")
 
 SCOPES = ("full", "hooks")
+# Problems that mean some events were not analyzed.
+INCOMPLETE_PREFIXES = ("analyzer error", "the analysis helper stopped")
 
 
 class Session:
-    """One tracing session. ``analyze``: run the analyzer in this process; ``trace_path``: also record."""
+    """One tracing session. ``analyze``: run the analyzer; ``helper``: run it in a helper process
+    (:mod:`streamsan.helper`) rather than in this one; ``trace_path``: also record."""
 
     def __init__(self, scope: str = "full", trace_path: str | None = None, analyze: bool = True,
-                 header: dict | None = None, echo: bool = True):
+                 header: dict | None = None, echo: bool = True, helper: bool = False):
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
         self.scope = scope
-        self.analyzer = Analyzer() if analyze else None
+        self._analyzer = Analyzer() if analyze and not helper else None
+        self._helper = None
+        self._use_helper = analyze and helper
         self.writer = None
         consumers = []
         if trace_path:
@@ -47,7 +52,7 @@ class Session:
 
             self.writer = TraceWriter(trace_path, header)
             consumers.append(self.writer.write)
-        if self.analyzer is not None:
+        if analyze:
             consumers.append(self._feed)
         self.buffer = EventBuffer(consumers)
         self.streams = StreamRegistry(self.buffer)
@@ -58,9 +63,30 @@ class Session:
         self.echo = echo  # say notes on stderr (not under `streamsan wrap`, whose report says them)
         self._torch_unsupported = False
 
+    @property
+    def analyzer(self):
+        """The analyzer: in a helper session, a copy of the helper's as of now (while active) or its final one."""
+        if self._helper is not None:
+            self.buffer.flush()
+            a, problems = self._helper.snapshot()
+            self._add_problems(problems, self._helper.problem)
+            return a if a is not None else Analyzer()
+        return self._analyzer
+
+    def _add_problems(self, problems, helper_problem) -> None:
+        for p in list(problems) + ([helper_problem] if helper_problem else []):
+            if p not in self.problems:
+                self.problems.append(p)
+                log.warning("streamsan: %s", p)
+
     def _feed(self, batch) -> None:
+        if self._helper is not None:
+            self._helper.feed(batch)
+            return
+        if self._analyzer is None:
+            return
         try:
-            self.analyzer.feed(batch)
+            self._analyzer.feed(batch)
         except Exception as e:  # never break the program; say what was lost
             msg = f"analyzer error, some events were not analyzed: {type(e).__name__}: {e}"
             if msg not in self.problems:
@@ -74,6 +100,15 @@ class Session:
             raise RuntimeError("a streamsan session is already active in this process")
         _current = self
         self.active = True
+        if self._use_helper and self._helper is None and self._analyzer is None:
+            from .helper import AnalysisHelper
+
+            helper = AnalysisHelper()
+            if helper.alive:
+                self._helper = helper
+            else:  # analyze here instead
+                log.info("streamsan: %s; analyzing in this process", helper.problem)
+                self._analyzer = Analyzer()
         when_imported("torch", self._attach_torch)
         when_imported("cupy", self._attach_cupy)
         when_imported("transformers", self._attach_hooks)
@@ -159,6 +194,11 @@ class Session:
                 and (torch_tracer is None or not torch_tracer.saw_cuda)):
             self._note_no_cuda()
         self.buffer.flush()
+        if self._helper is not None:
+            helper, self._helper = self._helper, None
+            a, problems = helper.finish()
+            self._add_problems(problems, helper.problem)
+            self._analyzer = a if a is not None else Analyzer()
         if self.writer is not None:
             extra = {"environment": self._environment()}
             # A batch the buffer handed out but the writer never wrote (a KeyboardInterrupt inside a flush):
@@ -201,11 +241,10 @@ class Session:
     # ------------------------------------------------------------------ results
     @property
     def findings(self) -> list:
-        if self.analyzer is None:
-            return []
         if self.active:
             self.buffer.flush()
-        return self.analyzer.sorted_findings()
+        a = self.analyzer
+        return a.sorted_findings() if a is not None else []
 
     def report(self, command=None) -> dict:
         from .report.build import build_report
@@ -214,9 +253,14 @@ class Session:
         if self.active:
             self.buffer.flush()
         cmd = list(command) if command is not None else list(getattr(sys, "orig_argv", sys.argv))
-        return build_report(self.analyzer, command=cmd, environment=collect_environment(cmd),
-                            complete=not self.problems or all("analyzer error" not in p for p in self.problems),
-                            problems=tuple(self.problems))
+        analyzer = self.analyzer
+        return build_report(analyzer, command=cmd, environment=collect_environment(cmd),
+                            complete=self.complete, problems=tuple(self.problems))
+
+    @property
+    def complete(self) -> bool:
+        """Whether every event was analyzed (no analyzer error, no helper lost)."""
+        return not any(p.startswith(INCOMPLETE_PREFIXES) for p in self.problems)
 
     def save(self, path: str) -> str:
         import json
@@ -256,14 +300,15 @@ def load_hooks(name: str):
     return mod
 
 
-def watch(scope: str = "full", trace: str | None = None) -> Session:
-    """``with streamsan.watch() as s:`` traces and analyzes the block; ``trace`` also records a trace file."""
-    return Session(scope=scope, trace_path=trace)
+def watch(scope: str = "full", trace: str | None = None, helper: bool = True) -> Session:
+    """``with streamsan.watch() as s:`` traces and analyzes the block; ``trace`` also records a trace file.
+    ``helper``: analyze in a helper process, on another core (``False``: in this process)."""
+    return Session(scope=scope, trace_path=trace, helper=helper)
 
 
-def enable(scope: str = "full", trace: str | None = None) -> Session:
+def enable(scope: str = "full", trace: str | None = None, helper: bool = True) -> Session:
     """Start tracing until :func:`disable` (or the end of the process)."""
-    s = Session(scope=scope, trace_path=trace).start()
+    s = Session(scope=scope, trace_path=trace, helper=helper).start()
     atexit.register(s.stop)
     return s
 
