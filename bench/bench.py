@@ -13,7 +13,8 @@ Modes: ``plain``; ``floor`` (a TorchDispatchMode that only calls the op); ``call
 callbacks switched on, reaching no tracer: what the hooks scope cannot avoid paying); ``record`` (streamsan tracing
 into a trace file, as each process under ``streamsan wrap`` does; the analysis runs afterwards in the wrapping
 process);
-``full`` (streamsan.watch(): tracing plus in-process analysis); ``hooks`` (``--scope hooks``: only inside the
+``inline`` (``streamsan.watch(helper=False)``: tracing plus in-process analysis); ``full``
+(``streamsan.watch()``: tracing, the analysis in a helper process); ``hooks`` (``--scope hooks``: only inside the
 transformers cache hooks); ``csan`` (torch.cuda._sanitizer). GPU trace callbacks, once activated, stay on for the
 process, so each workload runs in its own process: plain and floor interleaved over ``--runs`` rounds, then
 streamsan's modes interleaved, then CSAN (one timed run); one warm-up run each. Each mode's time is its best run:
@@ -132,6 +133,8 @@ class Mode:
         elif self.name == "record":
             self.ctx = Session(trace_path=os.path.join(self.tmp, f"bench-{time.time_ns()}.sstrace"),
                                analyze=False).start()
+        elif self.name == "inline":
+            self.ctx = streamsan.watch(helper=False).start()
         elif self.name in ("full", "hooks"):
             self.ctx = streamsan.watch(scope="full" if self.name == "full" else "hooks").start()
         elif self.name == "csan":
@@ -172,7 +175,7 @@ def measure_rounds(names, fn, rounds, tmp):
 
 
 WORKLOADS = ("decode", "decode_offload", "micro", "big_decode", "big_prefill")
-MODES = ("plain", "floor", "callbacks", "record", "hooks", "full", "csan")
+MODES = ("plain", "floor", "callbacks", "record", "hooks", "inline", "full", "csan")
 
 
 def run_workload(w, modes, runs, big_runs):
@@ -191,7 +194,7 @@ def run_workload(w, modes, runs, big_runs):
     # PyTorch's GPU trace callbacks stay on once streamsan or CSAN turned them on: plain and floor first, then
     # streamsan's modes, CSAN (whose callbacks cannot be removed) last, with a single timed run.
     before = [m for m in modes if m in ("plain", "floor")]
-    after = [m for m in modes if m in ("callbacks", "hooks", "record", "full") and m not in skip]
+    after = [m for m in modes if m in ("callbacks", "hooks", "record", "inline", "full") and m not in skip]
     res = measure_rounds(before, fn, runs, tmp)
     res.update(measure_rounds(after, fn, runs, tmp))
     if "csan" in modes:
