@@ -52,12 +52,15 @@ class AnalysisHelper:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         # Isolated mode: no PYTHONPATH (so no `streamsan wrap` bootstrap), no user site, no current directory.
         code = f"import sys; sys.path.insert(0, {root!r}); from streamsan.helper import main; sys.exit(main())"
-        try:
-            # Unbuffered: nothing of the parent's may sit in a buffer that a forked child could flush.
-            self._proc = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, close_fds=True, bufsize=0)
-        except OSError as e:
-            self.problem = f"the analysis helper could not start ({e})"
+        if os.name != "posix" or not sys.executable:
+            self.problem = "the analysis helper needs POSIX pipes and a Python executable"
+        else:
+            try:
+                # Unbuffered: nothing of the parent's may sit in a buffer that a forked child could flush.
+                self._proc = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE, close_fds=True, bufsize=0)
+            except (OSError, ValueError) as e:
+                self.problem = f"the analysis helper could not start ({e})"
         _helpers.add(self)
 
     @property
