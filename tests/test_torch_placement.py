@@ -69,16 +69,45 @@ def test_the_stream_a_collective_runs_on_is_named_in_reports():
         assert named == ([(E.STREAM, nccl, 0, 0x4000, 0, "collective stream")] if first else [])
 
 
+KEPT_ALIVE = (E.RECORD_STREAM, 0, DEV0, NCCL, 0)  # its tensor's block is kept from reuse until it has run
+
+
 def test_a_collective_runs_on_the_stream_that_waited_for_the_current_one():
     handoff = [E.event_record(21, SRC), E.event_wait(21, NCCL)]
     end = [E.event_record(22, NCCL)]
-    assert place_collective(handoff + end) == handoff + [("OP", NCCL)] + end
+    assert place_collective(handoff + end) == handoff + [("OP", NCCL), KEPT_ALIVE] + end
 
 
 def test_a_synchronous_collective_also_makes_the_current_stream_wait_after_it():
     handoff = [E.event_record(21, SRC), E.event_wait(21, NCCL)]
     after = [E.event_record(22, NCCL), E.event_wait(22, SRC)]
-    assert place_collective(handoff + after) == handoff + [("OP", NCCL)] + after
+    assert place_collective(handoff + after) == handoff + [("OP", NCCL), KEPT_ALIVE] + after
+
+
+def analyze_collective_then(after):
+    """An async all-reduce of a block allocated on SRC, as the tracer places it, then ``after``: the findings."""
+    from streamsan.analyzer import Analyzer
+
+    tracer = TorchTracer(EventBuffer())
+    inner = [E.event_record(21, SRC), E.event_wait(21, NCCL), E.event_record(22, NCCL)]
+    evs = [E.stream(SRC, 0, 0x1000, name="default"), E.stream(NCCL, 0, 0x4000),
+           E.alloc(0, DEV0, 64, SRC), E.op(SRC, "aten::fill_.Scalar", writes=[E.rng(0, DEV0, 64)])] + inner
+    tracer._place(evs, 4, E.op(SRC, "c10d::allreduce_", writes=[E.rng(0, DEV0, 64)]), None, collective=True)
+    a = Analyzer()
+    a.feed(evs + after)
+    a.finish()
+    return [(f.kind, f.previous.agent, f.previous.name, f.current.agent, f.current.name)
+            for f in a.sorted_findings()]
+
+
+def test_freeing_a_collectives_tensor_before_wait_is_safe_as_pytorch_keeps_it_alive():
+    reuse = [E.free(0, DEV0), E.alloc(0, DEV0, 64, SRC), E.op(SRC, "aten::add_.Tensor", writes=[E.rng(0, DEV0, 64)])]
+    assert analyze_collective_then(reuse) == []
+
+
+def test_using_a_collectives_tensor_before_wait_still_races():
+    use = [E.op(SRC, "aten::mul_.Tensor", writes=[E.rng(0, DEV0, 64)])]
+    assert analyze_collective_then(use) == [("device-device", NCCL, "c10d::allreduce_", SRC, "aten::mul_.Tensor")]
 
 
 def test_a_collective_without_a_hand_off_stays_on_the_current_stream():

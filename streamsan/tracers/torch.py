@@ -15,6 +15,8 @@ What it watches:
 It never synchronizes, waits on events, reads device memory or changes streams (DESIGN §5): it reads tensor
 metadata and stream handles only. Events fired inside an op (its allocations, the synchronization of a
 blocking copy) are placed around the op's own event so that allocations precede the op and syncs follow it.
+A collective that runs on a communication stream of its own keeps its tensors alive until it has run (modelled as
+``record_stream`` on that stream).
 """
 
 from __future__ import annotations
@@ -829,11 +831,14 @@ class TorchTracer:
             else:
                 rest.append(ev)
         barrier, agent = _kernel_position(rest, op[1], collective)
+        kept_alive = ()
         if agent != op[1]:
             op = (op[0], agent) + op[2:]
             self._name_collective_stream(evs, agent)
+            kept_alive = _kept_alive_for(op)
         evs.extend(rest[:barrier])
         evs.append(op)
+        evs.extend(kept_alive)
         evs.extend(rest[barrier:])
 
     def _name_collective_stream(self, evs, agent: int) -> None:
@@ -942,6 +947,14 @@ def _kernel_position(inner: list, agent: int, collective: bool) -> tuple[int, in
         elif (kind == E.EVENT_RECORD and ev[2] == agent) or kind not in (E.EVENT_RECORD, E.EVENT_WAIT):
             break
     return end, agent
+
+
+def _kept_alive_for(op) -> list:
+    """A collective on its own stream keeps its tensors' memory from reuse until it has run (ProcessGroupNCCL
+    records them on its stream, or, since PyTorch 2.6 or so, holds them in the ``Work`` until ``wait()`` or until
+    it has completed): modelled as ``record_stream`` on that stream of every device block the op touches."""
+    agent, stack = op[1], op[5]
+    return [(E.RECORD_STREAM, r[0], r[1], agent, stack) for r in op[3] + op[4] if r[0] >= 0 and r[0] != E.PINNED]
 
 
 def _maybe_pinned_output(plan, args, kwargs) -> bool:
