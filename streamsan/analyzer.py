@@ -87,6 +87,22 @@ def _survives(x: Access, h: list, old_block, space: int) -> bool:
     return True
 
 
+ANALYZER_ERROR = "analyzer error, some events were not analyzed"
+
+
+def feed_guarded(analyzer, batch, problems: list) -> str | None:
+    """Feed a batch without ever raising (the program must not break): an exception becomes one line in
+    ``problems``, returned when it is new."""
+    try:
+        analyzer.feed(batch)
+    except Exception as e:
+        msg = f"{ANALYZER_ERROR}: {type(e).__name__}: {e}"
+        if msg not in problems:
+            problems.append(msg)
+            return msg
+    return None
+
+
 class Analyzer:
     """Consumes events (:meth:`feed`) and collects deduplicated :attr:`findings`."""
 

@@ -154,7 +154,7 @@ def main() -> int:
     """The helper's side: analyze batches until the end frame (or the parent's end of the pipe)."""
     import gc
 
-    from .analyzer import Analyzer
+    from .analyzer import Analyzer, feed_guarded
 
     gc.disable()  # the analyzer builds no garbage cycles; collection passes would triple its time
     inp, out = sys.stdin.buffer, sys.stdout.buffer
@@ -167,12 +167,7 @@ def main() -> int:
         kind, n = _HEADER.unpack(head)
         payload = inp.read(n) if n else b""
         if kind == b"B":
-            try:
-                analyzer.feed(marshal.loads(payload))
-            except Exception as e:
-                msg = f"analyzer error, some events were not analyzed: {type(e).__name__}: {e}"
-                if msg not in problems:
-                    problems.append(msg)
+            feed_guarded(analyzer, marshal.loads(payload), problems)
         elif kind == b"Q":
             _reply(out, analyzer, problems)
         elif kind == b"E":

@@ -111,7 +111,7 @@ class StreamsanPlugin:
         s.stop()
         report = build_report(s.analyzer, command=self.command,
                               environment=collect_environment(self.command, import_missing=False),
-                              complete=not any("analyzer error" in p for p in s.problems), problems=s.problems)
+                              complete=s.complete, problems=s.problems)
         for race in report["races"]:
             race["tests"] = self.tests.get(race["fingerprint"], [])
         if self.settings["trace"] and report["races"]:

@@ -20,7 +20,7 @@ import sys
 import threading
 
 from . import events as E
-from .analyzer import Analyzer
+from .analyzer import ANALYZER_ERROR, Analyzer, feed_guarded
 from .imports import when_imported
 from .agents import StreamRegistry
 from .sink import EventBuffer
@@ -30,7 +30,7 @@ log = logging.getLogger("streamsan")
 
 SCOPES = ("full", "hooks")
 # Problems that mean some events were not analyzed.
-INCOMPLETE_PREFIXES = ("analyzer error", "the analysis helper stopped")
+INCOMPLETE_PREFIXES = (ANALYZER_ERROR, "the analysis helper stopped")
 
 
 class Session:
@@ -83,14 +83,9 @@ class Session:
         if self._helper is not None:
             self._helper.feed(batch)
             return
-        if self._analyzer is None:
-            return
-        try:
-            self._analyzer.feed(batch)
-        except Exception as e:  # never break the program; say what was lost
-            msg = f"analyzer error, some events were not analyzed: {type(e).__name__}: {e}"
-            if msg not in self.problems:
-                self.problems.append(msg)
+        if self._analyzer is not None:
+            msg = feed_guarded(self._analyzer, batch, self.problems)
+            if msg:
                 log.warning("streamsan: %s", msg)
 
     # ------------------------------------------------------------------ lifecycle
@@ -253,8 +248,7 @@ class Session:
         if self.active:
             self.buffer.flush()
         cmd = list(command) if command is not None else list(getattr(sys, "orig_argv", sys.argv))
-        analyzer = self.analyzer
-        return build_report(analyzer, command=cmd, environment=collect_environment(cmd),
+        return build_report(self.analyzer, command=cmd, environment=collect_environment(cmd),
                             complete=self.complete, problems=tuple(self.problems))
 
     @property

@@ -798,15 +798,6 @@ class TorchTracer:
         """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the barrier
         its kernel waits for (:func:`_kernel_position`), then the op, then everything else (a blocking copy's
         synchronization, the pinned allocator's event record). A collective is moved to the stream it runs on."""
-        if not pre and len(evs) == mark + 1 and evs[mark][0] == E.ALLOC and type(out) is torch.Tensor:
-            ev = evs[mark]  # the most common case: one output, one allocation
-            if ev[3] == 0 and out.is_cuda and out.layout is _STRIDED:
-                st = out.untyped_storage()
-                if st.data_ptr() == ev[2]:
-                    evs[mark] = (E.ALLOC, ev[1], ev[2], st.nbytes(), ev[4], ev[5] or op[5], ev[6] or op[6],
-                                 describe(out))
-            evs.append(op)
-            return
         sizes = self._output_blocks(out)
         if not pre and all(ev[0] == E.ALLOC for ev in evs[mark:]):  # the common case: only allocations
             for i in range(mark, len(evs)):
@@ -954,7 +945,7 @@ def _kept_alive_for(op) -> list:
     records them on its stream, or, since PyTorch 2.6 or so, holds them in the ``Work`` until ``wait()`` or until
     it has completed): modelled as ``record_stream`` on that stream of every device block the op touches."""
     agent, stack = op[1], op[5]
-    return [(E.RECORD_STREAM, r[0], r[1], agent, stack) for r in op[3] + op[4] if r[0] >= 0 and r[0] != E.PINNED]
+    return [(E.RECORD_STREAM, r[0], r[1], agent, stack) for r in op[3] + op[4] if r[0] >= 0]  # device memory
 
 
 def _maybe_pinned_output(plan, args, kwargs) -> bool:
