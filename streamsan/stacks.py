@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
+_getframe = sys._getframe
+
 from . import events as E
 from .findings import is_library_frame
 
@@ -30,11 +32,12 @@ def _is_own(filename: str) -> bool:
 class StackTable:
     """Interns stacks; ``capture(events)`` returns a stack id, appending a DEF_STACK to ``events`` if new.
 
-    A stack is identified by its innermost frames up to and including the ``key_users``-th frame of user code
-    (library frames such as torch's are kept in the key but do not count). That key is cheap to build on every
-    op; the first time a key is seen, the stack is recorded in more depth (up to ``depth`` frames with at least
-    ``user_depth`` of user code) for reports. Calls that share the key but differ further out share that
-    record; the innermost user frame, which findings are deduplicated on, is always part of the key.
+    A stack is identified by its innermost frame (the op's call site, often in a library such as torch) and the
+    next ``key_users`` frames of user code outside it (library frames between them are walked, up to
+    ``max_key`` frames, but not keyed). That key is cheap to build on every op; the first time a key is seen,
+    the stack is recorded in more depth (up to ``depth`` frames with at least ``user_depth`` of user code) for
+    reports. Calls that share the key but differ further out share that record; the innermost user frame,
+    which findings are deduplicated on, is always part of the key.
     """
 
     def __init__(self, depth: int = 12, user_depth: int = 4, key_users: int = 2, max_key: int = 24):
@@ -55,32 +58,43 @@ class StackTable:
 
     def capture(self, events: list, skip: int = 1) -> int:
         """Capture the caller's stack (innermost first), skipping ``skip`` frames and streamsan's own."""
-        f = sys._getframe(skip + 1)
+        f = _getframe(skip + 1)
         kind = self._kind
-        key = []
-        users = n = 0
-        while f is not None:
-            code = f.f_code
-            cid = id(code)
-            k = kind.get(cid)
+        code = f.f_code
+        k = kind.get(id(code))
+        while not k:  # streamsan's own frames (0), or a code object not seen yet (None)
             if k is None:
                 k = self._classify(code)
-            if k:
-                key.append(cid)
-                key.append(f.f_lasti)  # the call site; cheaper than f_lineno (no line-table walk)
-                n += 1
-                if k == USER:
-                    users += 1
-                    if users >= self.key_users:
-                        break
-                if n >= self.max_key:
+                if k:
                     break
             f = f.f_back
+            if f is None:
+                return 0
+            code = f.f_code
+            k = kind.get(id(code))
+        # the innermost frame (the op's call site), then the user frames outside it; library frames between
+        # them are walked, not keyed (they are the same for the same user call sites)
+        key = [id(code), f.f_lasti]
+        users = self.key_users - (k == USER)
+        walked = self.max_key
+        while users > 0 and walked > 0:
+            f = f.f_back
+            if f is None:
+                break
+            code = f.f_code
+            k = kind.get(id(code))
+            if k is None:
+                k = self._classify(code)
+            if k == USER:
+                key.append(id(code))
+                key.append(f.f_lasti)
+                users -= 1
+            walked -= 1
         k = tuple(key)
         sid = self.ids.get(k)
         if sid is None:
             sid = self.ids[k] = len(self.ids) + 1
-            events.append((E.DEF_STACK, sid, self._frames(sys._getframe(skip + 1))))
+            events.append((E.DEF_STACK, sid, self._frames(_getframe(skip + 1))))
         return sid
 
     def _frames(self, f) -> tuple:

@@ -32,6 +32,8 @@ from ..agents import StreamRegistry
 from ..stacks import StackTable
 
 _STRIDED = torch.strided
+_Tensor = torch.Tensor
+_OP, _ALLOC, _FREE = E.OP, E.ALLOC, E.FREE
 _get_ident = threading.get_ident
 _cuda_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
@@ -50,6 +52,7 @@ NO_ACCESS = frozenset({
     "new_empty_strided", "_empty_affine_quantized", "lift_fresh", "alias", "detach", "_has_compatible_shallow_copy_type",
     "data", "is_same_size", "_version", "set_data", "_fw_primal", "_make_dual", "_unpack_dual", "resize_",
     "wait_tensor",  # _c10d_functional: makes the current stream wait for the collective (an event wait)
+    "_unsafe_view",  # a view whose schema does not say so (matmul's reshapes): no kernel, no access
 })
 # Ops whose CPU output is pinned memory.
 PINNING = frozenset({"_pin_memory", "pin_memory"})
@@ -69,10 +72,11 @@ class OpPlan:
     ``fresh_outputs``: whether returned tensors are new memory the op writes. ``skip``: no access at all.
     """
 
-    __slots__ = ("name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy", "pinning",
-                 "collective")
+    __slots__ = ("func", "name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy", "pinning",
+                 "pinning_or_copy", "record_stream", "collective")
 
     def __init__(self, func):
+        self.func = func
         schema = func._schema
         base = schema.name.split("::")[-1]
         self.name = schema.name + ("." + schema.overload_name if schema.overload_name else "")
@@ -80,6 +84,8 @@ class OpPlan:
         self.is_copy = base in COPIES
         self.pinning = base in PINNING
         self.collective = schema.name.startswith(COLLECTIVE_NAMESPACES)
+        self.pinning_or_copy = self.pinning or self.is_copy
+        self.record_stream = schema.name == "aten::record_stream"
         factory = base.endswith(_FACTORY_SUFFIX) or base.startswith(_FACTORY_PREFIX)
         # c10d's in-place collectives carry no alias annotations: every tensor they take may be written
         inplace_collective = self.collective and base.endswith("_")
@@ -101,7 +107,8 @@ class OpPlan:
         self.tensor_args = tuple(args)
         self.fresh_outputs = bool(schema.returns) and all(
             r.alias_info is None for r in schema.returns) and any(_tensor_kind(r.type) for r in schema.returns)
-        self.skip = (base in NO_ACCESS and not self.pinning) or (not self.tensor_args and not self.fresh_outputs)
+        no_access = base in NO_ACCESS and not self.pinning and not (base == "_unsafe_view" and schema.overload_name)
+        self.skip = no_access or (not self.tensor_args and not self.fresh_outputs)  # (_unsafe_view.out copies)
 
 
 def _tensor_kind(t):
@@ -197,9 +204,10 @@ _dynamo_skipped = False
 class _GpuTrace:
     """Routes PyTorch's process-wide GPU trace callbacks to the active tracer (they cannot be unregistered).
 
-    PyTorch calls each registry's ``fire_callbacks``, a Python loop over its callbacks; streamsan replaces it on
-    the registries it uses with a direct call (callbacks others register there still run, after streamsan's, and
-    an exception in any callback is logged, never raised into PyTorch)."""
+    PyTorch calls each registry's ``fire_callbacks``, a Python loop over its callbacks. On the registries it uses,
+    streamsan makes its own callback that method while it is the only one there (one Python call per allocation,
+    free or event), and a loop that calls streamsan's first and then the others once someone else (CSAN, a
+    profiler) registers one. An exception in any callback is logged, never raised into PyTorch."""
 
     active = None
     installed = False
@@ -212,33 +220,63 @@ class _GpuTrace:
 
         torch._C._activate_gpu_trace()
 
-        def on(name):
+        def on(registry, name):
             def callback(*args):
                 t = cls.active
                 if t is not None and t.tracing:
-                    getattr(t, name)(*args)
+                    try:
+                        getattr(t, name)(*args)
+                    except Exception:
+                        _log_callback_error(registry.name)
             return callback
 
-        def on_alloc(ptr):  # the hottest two, spelled out
+        def on_alloc(ptr):  # the hottest two, spelled out: an op's own allocation, and a free
             t = cls.active
             if t is not None and t.tracing:
-                t._on_alloc(ptr)
+                try:
+                    cur = t.op_agent
+                    if cur is not None and cur[4] == _get_ident():
+                        t.live_device[ptr] = cur[0]
+                        t.buffer.events.append((_ALLOC, cur[0], ptr, 0, cur[1], cur[2], cur[3], ""))
+                    else:
+                        t._on_alloc(ptr)
+                except Exception:
+                    _log_callback_error(gt.MemoryAllocationCallbacks.name)
 
         def on_free(ptr):
             t = cls.active
             if t is not None and t.tracing:
-                t._on_free(ptr)
+                try:
+                    dev = t.live_device.pop(ptr, None)
+                    if dev is not None:
+                        t._emit((_FREE, dev, ptr, 0))
+                except Exception:
+                    _log_callback_error(gt.MemoryDeallocationCallbacks.name)
 
         for registry, callback in (
-                (gt.EventDeletionCallbacks, on("_on_event_delete")), (gt.EventRecordCallbacks, on("_on_event_record")),
-                (gt.EventWaitCallbacks, on("_on_event_wait")), (gt.MemoryAllocationCallbacks, on_alloc),
-                (gt.MemoryDeallocationCallbacks, on_free),
-                (gt.DeviceSynchronizationCallbacks, on("_on_device_sync")),
-                (gt.StreamSynchronizationCallbacks, on("_on_stream_sync")),
-                (gt.EventSynchronizationCallbacks, on("_on_event_sync"))):
-            registry.add_callback(callback)
-            registry.fire_callbacks = _direct_fire(registry, callback)
+                (gt.EventDeletionCallbacks, on(gt.EventDeletionCallbacks, "_on_event_delete")),
+                (gt.EventRecordCallbacks, on(gt.EventRecordCallbacks, "_on_event_record")),
+                (gt.EventWaitCallbacks, on(gt.EventWaitCallbacks, "_on_event_wait")),
+                (gt.MemoryAllocationCallbacks, on_alloc), (gt.MemoryDeallocationCallbacks, on_free),
+                (gt.DeviceSynchronizationCallbacks, on(gt.DeviceSynchronizationCallbacks, "_on_device_sync")),
+                (gt.StreamSynchronizationCallbacks, on(gt.StreamSynchronizationCallbacks, "_on_stream_sync")),
+                (gt.EventSynchronizationCallbacks, on(gt.EventSynchronizationCallbacks, "_on_event_sync"))):
+            _call_directly(registry, callback)
         cls.installed = True
+
+
+def _call_directly(registry, ours) -> None:
+    """Register ``ours`` (which logs its own errors) on a registry and make it the registry's ``fire_callbacks``
+    while it is the only callback there; once there are others, ``fire_callbacks`` calls ours, then them."""
+    registry.add_callback(ours)
+    add = registry.add_callback
+
+    def add_callback(cb):
+        add(cb)
+        registry.fire_callbacks = _direct_fire(registry, ours)
+
+    registry.add_callback = add_callback
+    registry.fire_callbacks = ours if len(registry.callback_list) == 1 else _direct_fire(registry, ours)
 
 
 def _direct_fire(registry, ours):
@@ -246,17 +284,13 @@ def _direct_fire(registry, ours):
     others = registry.callback_list
 
     def fire(*args):
-        try:
-            ours(*args)
-        except Exception:
-            _log_callback_error(registry.name)
-        if len(others) > 1:
-            for cb in others:
-                if cb is not ours:
-                    try:
-                        cb(*args)
-                    except Exception:
-                        _log_callback_error(registry.name)
+        ours(*args)
+        for cb in others:
+            if cb is not ours:
+                try:
+                    cb(*args)
+                except Exception:
+                    _log_callback_error(registry.name)
     return fire
 
 
@@ -280,6 +314,8 @@ class TorchTracer:
         self.streams = streams if streams is not None else StreamRegistry(buffer)
         self.agent_of = self.streams.agent_of
         self.stacks = stacks if stacks is not None else StackTable()
+        # id(op overload) -> its plan (the plan holds the overload, so the id stays its own). Not keyed by the
+        # overload itself: its __hash__ is a Python method, a frame per op.
         self.plans: dict = {}
         self.live_device: dict[int, int] = {}
         self.pinned: dict[int, int] = {}  # base pointer -> bytes of pinned host blocks seen
@@ -422,12 +458,6 @@ class TorchTracer:
         dev = cur[0]
         self.live_device[ptr] = dev
         self.buffer.events.append((E.ALLOC, dev, ptr, 0, cur[1], cur[2], cur[3], ""))
-
-    def _on_free(self, ptr):
-        dev = self.live_device.pop(ptr, None)
-        if dev is None:
-            return
-        self._emit((E.FREE, dev, ptr, 0))
 
     # ------------------------------------------------------------------ patches
     def _patch(self) -> None:
@@ -630,19 +660,19 @@ class TorchTracer:
 
     # ------------------------------------------------------------------ dispatch
     def _plan(self, func) -> OpPlan:
-        plan = self.plans.get(func)
+        plan = self.plans.get(id(func))
         if plan is None:
-            plan = self.plans[func] = OpPlan(func)
+            plan = self.plans[id(func)] = OpPlan(func)
         return plan
 
     def _dispatch(self, func, args, kwargs):
-        plan = self.plans.get(func) or self._plan(func)
+        plan = self.plans.get(id(func)) or self._plan(func)
         if kwargs and kwargs.get("pin_memory"):
             return self._dispatch_pinning(func, plan, args, kwargs)
         if plan.skip:
-            if plan.name == "aten::record_stream":
-                self._record_stream(args)
             if not plan.fresh_outputs:
+                if plan.record_stream:
+                    self._record_stream(args)
                 return func(*args, **kwargs)
             evs = self.buffer.events
             mark = len(evs)
@@ -653,9 +683,9 @@ class TorchTracer:
             if len(evs) > mark:  # an allocating op that touches no data (empty, empty_like, ...)
                 self._fill_alloc_sizes(evs, mark, out)
             return out
-        if plan.pinning or (plan.is_copy and _maybe_pinned_output(plan, args, kwargs)):
-            return self._dispatch_pinning(func, plan, args, kwargs)
-        if plan.is_copy:
+        if plan.pinning_or_copy:
+            if plan.pinning or _maybe_pinned_output(plan, args, kwargs):
+                return self._dispatch_pinning(func, plan, args, kwargs)
             self._learn_pinned(plan, args, kwargs)
         reads = []
         writes = []
@@ -684,13 +714,17 @@ class TorchTracer:
                     if r is not None:
                         (writes if is_write else reads).append(r)
                 continue
-            if not isinstance(v, torch.Tensor):
+            if not isinstance(v, _Tensor):
                 continue
             if v.is_cuda:
                 d = v.get_device()
                 if dev < 0 or (plan.is_copy and not is_write):
                     dev = d
-                r = rng(v, d)
+                try:  # the common case, contiguous, inline; everything else in _range_in
+                    n = v.nbytes
+                    r = (d, v.data_ptr(), n) if n and v.is_contiguous() else rng(v, d)
+                except RuntimeError:
+                    r = rng(v, d)
             elif v.is_cpu:
                 cpu = v
                 cpu_written = is_write
@@ -706,6 +740,7 @@ class TorchTracer:
         evs = self.buffer.events
         ctx = self.ctx
         mine = None
+        single = 0  # the data pointer of a single contiguous CUDA output
         if dev >= 0:
             a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
             stack = self.stacks.capture(evs, 2)
@@ -730,16 +765,34 @@ class TorchTracer:
                     return out
                 a = self.agent(dev, _cuda_raw_stream(dev))  # e.g. an H2D copy or a factory with device=cuda
                 stack = self.stacks.capture(evs, 2)
-            self._outputs(out, writes)
+            if out.__class__ is _Tensor and out.is_cuda:  # the common case, one plain tensor, inline
+                try:
+                    n = out.nbytes
+                    if n and out.is_contiguous():
+                        single = out.data_ptr()
+                        writes.append((out.get_device(), single, n))
+                    else:
+                        self._outputs(out, writes)
+                except RuntimeError:
+                    self._outputs(out, writes)
+            else:
+                self._outputs(out, writes)
         self.saw_cuda = True
         flags = 0
         if plan.is_copy and cpu is not None:
             flags = self._copy_flags(cpu, cpu_written, args, kwargs)
-        op = (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
-        if len(evs) > mark:
-            self._place(evs, mark, op, out if plan.fresh_outputs else None, collective=plan.collective)
-        else:
+        op = (_OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
+        inner = len(evs) - mark
+        if not inner:
             evs.append(op)
+        elif inner == 1 and single and evs[mark][0] == _ALLOC and evs[mark][2] == single and not evs[mark][3]:
+            # the common case: the op allocated its one contiguous output
+            ev = evs[mark]
+            evs[mark] = (_ALLOC, ev[1], single, out.untyped_storage().nbytes(), ev[4], ev[5] or stack, ev[6] or ctx,
+                         describe(out))
+            evs.append(op)
+        else:
+            self._place(evs, mark, op, out if plan.fresh_outputs else None, collective=plan.collective)
         if len(evs) >= self.buffer.batch:  # (ops of other threads still running see the new list)
             self.buffer.flush()
         return out
