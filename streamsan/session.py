@@ -35,10 +35,11 @@ INCOMPLETE_PREFIXES = (ANALYZER_ERROR, "the analysis helper stopped")
 
 class Session:
     """One tracing session. ``analyze``: run the analyzer; ``helper``: run it in a helper process
-    (:mod:`streamsan.helper`) rather than in this one; ``trace_path``: also record."""
+    (:mod:`streamsan.helper`) rather than in this one; ``trace_path``: also record (``compress_trace``: with
+    compressed frames)."""
 
     def __init__(self, scope: str = "full", trace_path: str | None = None, analyze: bool = True,
-                 header: dict | None = None, echo: bool = True, helper: bool = False):
+                 header: dict | None = None, echo: bool = True, helper: bool = False, compress_trace: bool = True):
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
         self.scope = scope
@@ -50,7 +51,7 @@ class Session:
         if trace_path:
             from .trace import TraceWriter
 
-            self.writer = TraceWriter(trace_path, header)
+            self.writer = TraceWriter(trace_path, header, compress=compress_trace)
             consumers.append(self.writer.write)
         if analyze:
             consumers.append(self._feed)
@@ -329,7 +330,8 @@ def start_from_env() -> Session | None:
     if scope not in SCOPES:
         scope = "full"
     s = Session(scope=scope, trace_path=os.path.join(d, f"trace-{os.getpid()}.sstrace"), analyze=False,
-                header={"command": list(getattr(sys, "orig_argv", sys.argv)), "scope": scope}, echo=False)
+                header={"command": list(getattr(sys, "orig_argv", sys.argv)), "scope": scope}, echo=False,
+                compress_trace=False)  # read once, by the wrapping process: not worth the program's time
     s.start()
     _install_exit_handlers(s)
     return s

@@ -5,13 +5,15 @@ Format ``streamsan.trace/1``::
     file   := MAGIC frame*
     MAGIC  := b"SSTRACE1"
     frame  := length:u32le  crc32:u32le  type:u8  payload[length]      (crc32 over type + payload)
-    type   := b"H" header  | b"E" events | b"Z" end
+    type   := b"H" header  | b"E" events | b"M" events | b"Z" end
 
 * ``H`` (first frame): zlib-compressed UTF-8 JSON object: ``{"format": "streamsan.trace/1", "created": ...,
   "pid": ..., "command": [...], "environment": {...}}``.
 * ``E``: zlib-compressed Python ``marshal`` (version 4) of a list of events (tuples, see
   :mod:`streamsan.events`). marshal keeps replay fast; its format for ints, strings, tuples and lists is stable
   across Python versions. Every frame is checksummed before it is decoded.
+* ``M``: the same list, marshalled but not compressed: what each process under ``streamsan wrap`` writes (its
+  trace is read once, by the wrapping process), so that the traced program does not pay for compression.
 * ``Z`` (last frame, absent if the writer died): zlib-compressed JSON ``{"events": N, "complete": true, ...}``,
   plus what the writer knew only at the end (``"environment"``: library versions once they were imported).
 
@@ -63,8 +65,9 @@ class TraceWriter:
     the writer says so once on stderr, writes nothing more, and leaves the trace without its end mark.
     """
 
-    def __init__(self, path: str, header: dict | None = None):
+    def __init__(self, path: str, header: dict | None = None, compress: bool = True):
         self.path = path
+        self.compress = compress
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.events = 0
         self.closed = False
@@ -85,7 +88,11 @@ class TraceWriter:
     def write(self, batch) -> None:
         if batch and not self.closed and self.error is None:
             try:
-                self._frame(b"E", zlib.compress(marshal.dumps(list(batch), 4), 1))
+                data = marshal.dumps(list(batch), 4)
+                if self.compress:
+                    self._frame(b"E", zlib.compress(data, 1))
+                else:
+                    self._frame(b"M", data)
             except (OSError, ValueError) as e:
                 self.error = getattr(e, "strerror", None) or str(e)
                 print(f"streamsan: warning: cannot write the trace {self.path} ({self.error}): tracing stopped, "
@@ -169,9 +176,9 @@ class TraceReader:
                 if fr is None:
                     return
                 kind, payload = fr
-                if kind == b"E":
+                if kind in (b"E", b"M"):
                     try:
-                        data = _inflate(payload)
+                        data = _inflate(payload) if kind == b"E" else payload
                     except zlib.error as e:
                         self.problem = ("event frame " + str(e) if str(e).startswith("inflates")
                                         else "undecodable event frame")

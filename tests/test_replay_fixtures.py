@@ -42,3 +42,18 @@ def test_a_replayed_cuda_graph_capture_says_it_was_not_analyzed():
     assert report["notes"] == [{"level": "warning",
                                 "text": "CUDA graph capture: the captured work and its replays are not analyzed"}]
     assert report["races"] == []
+
+
+@pytest.mark.parametrize("name", ["missing_record_stream", "collective-async_allreduce_then_use"])
+def test_uncompressed_frames_replay_the_same(name, tmp_path):
+    """A trace written with uncompressed frames (as under ``streamsan wrap``) replays to the same findings."""
+    from streamsan.trace import TraceReader, TraceWriter
+
+    r = TraceReader(str(FIXTURES / f"{name}.sstrace"))
+    w = TraceWriter(str(tmp_path / "raw.sstrace"), r.header, compress=False)
+    for batch in r.batches():
+        w.write(batch)
+    w.close(r.footer)
+    report = replay_trace(str(tmp_path / "raw.sstrace"))
+    assert report["complete"] is True
+    assert summarize(report) == EXPECTED[name]

@@ -96,6 +96,25 @@ def test_every_child_leaves_its_own_trace(family):
     assert sorted(mine + [tracker]) == kept
 
 
+def test_wrapped_processes_write_uncompressed_event_frames(family):
+    """A trace under wrap is read once, by the wrapping process: its processes skip compression (M frames)."""
+    import struct
+
+    from streamsan.trace import MAGIC, TraceReader
+
+    d, _, pids, _ = family
+    path = d / "traces" / f"trace-{pids['parent']}.sstrace"
+    data = path.read_bytes()
+    kinds, at = [], len(MAGIC)
+    while at < len(data):
+        length, _crc, kind = struct.unpack_from("<IIc", data, at)
+        kinds.append(kind)
+        at += 9 + length
+    assert kinds[0] == b"H" and kinds[-1] == b"Z" and set(kinds[1:-1]) == {b"M"}
+    r = TraceReader(str(path))
+    assert sum(len(b) for b in r.batches()) == r.footer["events"] > 0 and r.complete
+
+
 def test_each_process_appears_in_the_merged_report(family):
     d, _, pids, rep = family
     by_pid = {p["pid"]: p for p in rep["processes"]}
