@@ -1,7 +1,7 @@
 """Cheap Python stack capture for tracers.
 
-At access time a stack is a tuple of (code id, line) pairs taken from the live frames, interned to a small
-integer; the file / line / function triples are written once per distinct stack as a ``DEF_STACK`` event.
+At access time a stack is a tuple of (code id, bytecode offset) pairs taken from the live frames (the innermost
+one and the user frames outside it), interned to a small integer; the file / line / function triples are written once per distinct stack as a ``DEF_STACK`` event.
 Frames of streamsan itself are skipped. Code objects are kept alive by the table so their ids stay unique.
 Frames are never retained (that would keep tensors alive and change the program's memory behaviour).
 """
