@@ -1,6 +1,6 @@
 """Where streamsan's time above the floor goes, by ablation, on the decode loop (GPU).
 
-    python bench/ablate.py [--offload] [--runs 5] [--profile]
+    python bench/ablate.py [--offload] [--runs 5]
 
 Modes, interleaved over ``--runs`` rounds (each mode's best run; medians on stderr): ``plain``; ``floor`` (a no-op
 dispatch mode, as cheap as streamsan's own); ``trace`` (the tracer feeding no consumer); ``nostack`` (the same with
@@ -11,9 +11,7 @@ analysis); ``full`` (analysis in the helper process). ``--profile`` adds a cProf
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
-import pstats
 import statistics
 import sys
 import tempfile
@@ -26,7 +24,6 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench import decode_workload, qwen3  # noqa: E402
 from streamsan.session import Session  # noqa: E402
-from streamsan.stacks import StackTable  # noqa: E402
 
 
 class NoOp(TorchDispatchMode):
@@ -64,7 +61,6 @@ def main():
     p.add_argument("--offload", action="store_true")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--modes", default="plain,floor,trace,nostack,record,inline,full")
-    p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     fn = decode_workload(qwen3(1024, 8, 8, 8, 128, 3072), 1, 512, 32, offloading=a.offload)
     tmp = tempfile.mkdtemp()
@@ -87,16 +83,6 @@ def main():
           f"{'x floor':>8s}")
     for m, v in times.items():
         print(f"{'':15s} {m:8s} {min(v):8.3f} {statistics.median(v):8.3f} {min(v) / plain:8.2f} {min(v) / floor:8.2f}")
-    if a.profile:
-        s = Session(analyze=False).start()
-        fn()
-        prof = cProfile.Profile()
-        prof.enable()
-        fn()
-        prof.disable()
-        s.stop()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(28)
-
 
 if __name__ == "__main__":
     main()

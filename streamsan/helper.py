@@ -29,6 +29,7 @@ _HEADER = struct.Struct("<cI")
 # The helper is never far behind (writes block once the pipe is full), so an answer that takes this long
 # means it is stuck: it is killed and the report says so.
 REPLY_TIMEOUT = 120.0
+PIPE_BYTES = 1 << 20
 _helpers: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -59,6 +60,7 @@ class AnalysisHelper:
                 # Unbuffered: nothing of the parent's may sit in a buffer that a forked child could flush.
                 self._proc = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.PIPE,
                                               stdout=subprocess.PIPE, close_fds=True, bufsize=0)
+                _widen_pipe(self._proc.stdin.fileno())
             except (OSError, ValueError) as e:
                 self.problem = f"the analysis helper could not start ({e})"
         _helpers.add(self)
@@ -126,6 +128,17 @@ class AnalysisHelper:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _widen_pipe(fd: int) -> None:
+    """Let the pipe hold many batches (Linux; 64 KiB by default, two batches), so that the program never waits
+    for the helper while it analyzes a burst."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except (ImportError, OSError):
+        pass
 
 
 def _read(stream, n: int, timeout: float | None = None) -> bytes:

@@ -139,3 +139,18 @@ def test_a_stuck_helper_is_given_up_after_the_reply_timeout(monkeypatch):
     assert helper.problem == ("the analysis helper stopped (TimeoutError: no answer in 0.5 s): events after that "
                               "were not analyzed")
     assert helper.finish() == (None, [])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/sys/fs/pipe-max-size"), reason="pipe sizes are Linux's")
+def test_the_pipe_to_the_helper_holds_many_batches():
+    """A 512-event batch is about 30 KB marshalled; the default 64 KiB pipe would make the program wait for the
+    helper whenever it analyzes a batch more slowly than the next one is made."""
+    import fcntl
+
+    from streamsan.helper import PIPE_BYTES
+
+    h = AnalysisHelper()
+    try:
+        assert fcntl.fcntl(h._proc.stdin.fileno(), getattr(fcntl, "F_GETPIPE_SZ", 1032)) >= PIPE_BYTES
+    finally:
+        h.finish()
