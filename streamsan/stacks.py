@@ -1,7 +1,8 @@
 """Cheap Python stack capture for tracers.
 
 At access time a stack is a tuple of (code id, bytecode offset) pairs taken from the live frames (the innermost
-one and the user frames outside it), interned to a small integer; the file / line / function triples are written once per distinct stack as a ``DEF_STACK`` event.
+one and the user frames outside it), interned to a small integer; the file / line / function triples are written
+once per distinct stack as a ``DEF_STACK`` event.
 Frames of streamsan itself are skipped. Code objects are kept alive by the table so their ids stay unique.
 Frames are never retained (that would keep tensors alive and change the program's memory behaviour).
 """
@@ -11,10 +12,10 @@ from __future__ import annotations
 import os
 import sys
 
-_getframe = sys._getframe
-
 from . import events as E
 from .findings import is_library_frame
+
+_getframe = sys._getframe
 
 _OWN_DIRS = tuple(
     os.path.normcase(os.path.dirname(os.path.abspath(p))) + os.sep
@@ -74,7 +75,7 @@ class StackTable:
             k = kind.get(id(code))
         # the innermost frame (the op's call site), then the user frames outside it; library frames between
         # them are walked, not keyed (they are the same for the same user call sites)
-        key = [id(code), f.f_lasti]
+        key = [id(code), f.f_lasti]  # f_lasti, the call site: cheaper than f_lineno (no line-table walk)
         users = self.key_users - (k == USER)
         walked = self.max_key
         while users > 0 and walked > 0:

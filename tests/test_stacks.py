@@ -1,0 +1,68 @@
+"""Stack keys: the op's call site and the next user frames outside it; library frames between them are walked,
+not keyed; the first stack seen for a key is recorded (DEF_STACK) with file, line and function."""
+
+from streamsan import events as E
+from streamsan.stacks import StackTable
+
+LIB = "/venv/lib/python3.12/site-packages/torch/nn/fake_module.py"  # a library file, as findings classify them
+_lib = {}
+exec(compile("def call_impl(f, *a):\n    return f(*a)\n\ndef wrapped(f, *a):\n    return call_impl(f, *a)\n",
+             LIB, "exec"), _lib)
+
+
+def op(table, events):
+    """Stands for the tracer: the op's stack, its own frame skipped."""
+    return table.capture(events, 1)
+
+
+def site(table, events):  # the innermost user frame: the op's call site
+    return op(table, events)
+
+
+def caller_a(table, events):
+    return site(table, events)
+
+
+def caller_b(table, events):
+    return site(table, events)
+
+
+def via_library(table, events, depth):  # one call site, reaching `site` through 1 or 2 torch wrappers
+    chain = (site, table, events) if depth == 1 else (_lib["wrapped"], site, table, events)
+    return _lib["wrapped"](*chain)
+
+
+def test_the_next_user_frame_is_part_of_the_key():
+    t, evs = StackTable(), []
+    a, b = caller_a(t, evs), caller_b(t, evs)
+    assert a != b and caller_a(t, evs) == a
+    assert [ev[0] for ev in evs] == [E.DEF_STACK, E.DEF_STACK]  # one record per key
+
+
+def test_library_frames_between_user_frames_are_not_keyed():
+    t, evs = StackTable(), []
+    once = via_library(t, evs, 1)
+    assert via_library(t, evs, 2) == once  # the same user frames, more torch frames between
+    (_, sid, frames), = evs
+    assert sid == once
+    assert [f[2] for f in frames[:4]] == ["site", "call_impl", "wrapped", "via_library"]
+    assert frames[0][0] == __file__ and frames[1][0] == LIB
+
+
+def test_outer_callers_beyond_the_key_share_the_first_record():
+    t, evs = StackTable(key_users=1), []
+    a, b = caller_a(t, evs), caller_b(t, evs)
+    assert a == b and len(evs) == 1
+    assert [f[2] for f in evs[0][2][:2]] == ["site", "caller_a"]
+
+
+def test_an_own_frame_is_skipped():
+    t, evs = StackTable(), []
+
+    def tracer_frame(table, events):  # as if it were streamsan's: classified OWN
+        return table.capture(events, 0)
+
+    t._classify(tracer_frame.__code__)
+    t._kind[id(tracer_frame.__code__)] = 0
+    sid = tracer_frame(t, evs)
+    assert evs[0][1] == sid and evs[0][2][0][2] == "test_an_own_frame_is_skipped"
