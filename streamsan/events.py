@@ -41,7 +41,10 @@ from __future__ import annotations
 
 HOST = 0
 PINNED = -1
-MAX_AGENT = 1 << 16  # agent ids are small integers (a tracer numbers streams from 1)
+# Agent ids are small integers: a tracer numbers the streams it meets from 1. The analyzer keeps a vector clock of
+# every agent per agent (quadratic in the largest id), so a trace naming agent 60000 would make it build billions
+# of entries: 2048 streams per process is the limit (past it the analysis stops and the report says so).
+MAX_AGENT = 1 << 11
 
 DEF_STACK = 0
 DEF_CONTEXT = 1

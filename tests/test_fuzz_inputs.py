@@ -502,3 +502,19 @@ def test_unwritable_output_fails_before_anything_runs(tmp_path, good_report, sub
     reason = "permission denied" if where == "read-only-directory" else f"directory {out.parent} does not exist"
     assert (code, stdout, err) == (exitcodes.USAGE, "", f"streamsan: error: cannot write {out}: {reason}\n")
     assert not ran.exists() and not out.exists()
+
+
+def test_the_largest_agent_id_costs_little_and_a_larger_one_is_refused(tmp_path):
+    """The analyzer's clocks grow with the square of the largest agent id: a trace naming agent 60000 once made
+    it build billions of entries (found by the fuzzer above)."""
+    from streamsan import events as E
+
+    p = tmp_path / "agents.sstrace"
+    p.write_bytes(MAGIC + header_frame() + events_frame([(E.EVENT_RECORD, 5, E.MAX_AGENT - 1, 0)]) + end_frame())
+    start = time.monotonic()
+    code, out, err = cli("replay", p, "--format", "json")
+    assert time.monotonic() - start < 2
+    assert code == 0 and json.loads(out)["complete"] is True
+    p.write_bytes(MAGIC + header_frame() + events_frame([(E.EVENT_RECORD, 5, E.MAX_AGENT, 0)]) + end_frame())
+    assert cli("replay", p, "--format", "json") == (
+        2, "", f"streamsan: error: {p}: invalid event 0: EVENT_RECORD: agent ids are integers in [0, {E.MAX_AGENT})\n")

@@ -430,20 +430,28 @@ class TorchTracer:
     def _on_event_delete(self, e):
         self.buffer.events.append((E.EVENT_DELETE, e))
 
+    def _callback_stack(self) -> int:
+        """The stack of a callback's event: inside an op of this thread, the op's own (the same stack, already
+        captured); else captured here."""
+        cur = self.op_agent
+        if cur is not None and cur[4] == _get_ident():
+            return cur[2]
+        return self.stacks.capture(self.buffer.events, 3)
+
     def _on_event_record(self, e, s):
-        self._emit((E.EVENT_RECORD, e, self._agent_for_handle(s), self.stacks.capture(self.buffer.events, 2)))
+        self._emit((E.EVENT_RECORD, e, self._agent_for_handle(s), self._callback_stack()))
 
     def _on_event_wait(self, e, s):
-        self._emit((E.EVENT_WAIT, e, self._agent_for_handle(s), self.stacks.capture(self.buffer.events, 2)))
+        self._emit((E.EVENT_WAIT, e, self._agent_for_handle(s), self._callback_stack()))
 
     def _on_stream_sync(self, s):
-        self._emit((E.STREAM_SYNC, self._agent_for_handle(s), self.stacks.capture(self.buffer.events, 2)))
+        self._emit((E.STREAM_SYNC, self._agent_for_handle(s), self._callback_stack()))
 
     def _on_event_sync(self, e):
-        self._emit((E.EVENT_SYNC, e, self.stacks.capture(self.buffer.events, 2)))
+        self._emit((E.EVENT_SYNC, e, self._callback_stack()))
 
     def _on_device_sync(self):
-        self._emit((E.DEVICE_SYNC, _cuda_get_device(), self.stacks.capture(self.buffer.events, 2)))
+        self._emit((E.DEVICE_SYNC, _cuda_get_device(), self._callback_stack()))
 
     def _on_alloc(self, ptr):
         cur = self.op_agent
@@ -733,10 +741,13 @@ class TorchTracer:
                 continue
             if r is not None:
                 (writes if is_write else reads).append(r)
-        if dev < 0 and not plan.fresh_outputs:
-            if not reads and not writes:
-                return func(*args, **kwargs)
-            return self._host_op(func, plan, args, kwargs, reads, writes)
+        if dev < 0:
+            if not plan.fresh_outputs:
+                if not reads and not writes:
+                    return func(*args, **kwargs)
+                return self._host_op(func, plan, args, kwargs, reads, writes)
+            if plan.is_copy:  # a copy from the host to a device (known now, so the op is in place while it runs)
+                dev = _cuda_target(kwargs)
         evs = self.buffer.events
         ctx = self.ctx
         mine = None
@@ -1010,6 +1021,21 @@ def _maybe_pinned_output(plan, args, kwargs) -> bool:
     if not isinstance(src, torch.Tensor) or not src.is_cuda or dev is None:
         return False
     return (dev.type if isinstance(dev, torch.device) else torch.device(dev).type) == "cpu"
+
+
+def _cuda_target(kwargs) -> int:
+    """The CUDA device index a copy op's ``device`` argument names (the current device for ``cuda``), or -1."""
+    d = kwargs.get("device")
+    if d is None:
+        return -1
+    if not isinstance(d, torch.device):
+        try:
+            d = torch.device(d)
+        except (RuntimeError, TypeError):
+            return -1
+    if d.type != "cuda":
+        return -1
+    return d.index if d.index is not None else _cuda_get_device()
 
 
 def _stream_key(stream) -> tuple[int, int]:
