@@ -248,8 +248,11 @@ class _GpuTrace:
             if t is not None and t.tracing:
                 try:
                     dev = t.live_device.pop(ptr, None)
-                    if dev is not None:
-                        t._emit((_FREE, dev, ptr, 0))
+                    if dev is not None:  # TorchTracer._emit, spelled out
+                        evs = t.buffer.events
+                        evs.append((_FREE, dev, ptr, 0))
+                        if len(evs) >= 4 * t.buffer.batch and t.op_agent is None:
+                            t.buffer.flush()
                 except Exception:
                     _log_callback_error(gt.MemoryDeallocationCallbacks.name)
 
@@ -746,8 +749,8 @@ class TorchTracer:
                 if not reads and not writes:
                     return func(*args, **kwargs)
                 return self._host_op(func, plan, args, kwargs, reads, writes)
-            if plan.is_copy:  # a copy from the host to a device (known now, so the op is in place while it runs)
-                dev = _cuda_target(kwargs)
+            # a factory or a host-to-device copy naming its device: known now, so the op is in place while it runs
+            dev = _cuda_target(kwargs)
         evs = self.buffer.events
         ctx = self.ctx
         mine = None
@@ -1024,7 +1027,7 @@ def _maybe_pinned_output(plan, args, kwargs) -> bool:
 
 
 def _cuda_target(kwargs) -> int:
-    """The CUDA device index a copy op's ``device`` argument names (the current device for ``cuda``), or -1."""
+    """The CUDA device index an op's ``device`` argument names (the current device for ``cuda``), or -1."""
     d = kwargs.get("device")
     if d is None:
         return -1
