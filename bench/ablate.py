@@ -20,19 +20,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 from bench import decode_workload, qwen3  # noqa: E402
+from standin import NoOp  # noqa: E402  (a no-op dispatch mode as cheap as streamsan's own)
 from streamsan.session import Session  # noqa: E402
-
-
-class NoOp(TorchDispatchMode):
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 def session(mode, tmp):
