@@ -248,11 +248,8 @@ class _GpuTrace:
             if t is not None and t.tracing:
                 try:
                     dev = t.live_device.pop(ptr, None)
-                    if dev is not None:  # TorchTracer._emit, spelled out
-                        evs = t.buffer.events
-                        evs.append((_FREE, dev, ptr, 0))
-                        if len(evs) >= 4 * t.buffer.batch and t.op_agent is None:
-                            t.buffer.flush()
+                    if dev is not None:
+                        t._emit((_FREE, dev, ptr, 0))
                 except Exception:
                     _log_callback_error(gt.MemoryDeallocationCallbacks.name)
 
