@@ -1,8 +1,13 @@
-"""What a native op observer would cost (issue 5, item 3): builds bench/native_probe/observer.cpp (a global
-RecordFunction callback that logs every op's tensor inputs and outputs) and times it against the plain program,
-a no-op Python TorchDispatchMode (the floor of a Python tracer) and streamsan's torch tracer.
+"""What a native op observer would cost, and whether it sees what streamsan sees (issue 5, item 3): builds
+bench/native_probe/observer.cpp (a global RecordFunction callback) and times it against the plain program, a no-op
+Python TorchDispatchMode (the floor of a Python tracer) and streamsan's torch tracer.
 
     python bench/native_probe.py [--device cpu|cuda]
+
+The observer runs at three levels: `native0` logs every dispatcher call's tensors; `native1` keeps only the ops a
+dispatch mode sees, with each tensor's byte range and its device's current stream; `native2` adds the Python
+call site (the GIL taken, three frames read). First the script checks that `native1` sees the same op sequence
+as a dispatch mode on each workload, and prints where they differ.
 
 Needs a C++ compiler and ninja (torch.utils.cpp_extension). On a machine without CUDA it runs on CPU tensors:
 the per-op costs of interception are host costs either way, but streamsan's tracer then sees no device memory and
@@ -91,14 +96,59 @@ class NoOpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class Names(TorchDispatchMode):
+    """The op sequence a dispatch mode sees, named as streamsan names ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        s = func._schema
+        self.seen.append(s.name + ("." + s.overload_name if s.overload_name else ""))
+        return func(*args, **(kwargs or {}))
+
+
+def compare(native, name, fn):
+    """Whether native level 1 sees the dispatch mode's op sequence on fn; prints the first difference."""
+    with Names() as m:
+        fn()
+    native.enable(1, True)
+    try:
+        fn()
+    finally:
+        native.disable()
+        native.drain()
+    got = native.seen()
+    want = m.seen
+    native.enable(2, False)
+    try:
+        fn()
+    finally:
+        native.disable()
+    calls, accesses, sites = native.drain()
+    same = got == want
+    print(f"{name}: dispatch mode {len(want)} ops, native1 {len(got)} ops, identical: {same}; "
+          f"native2: {calls} dispatcher calls, {accesses} tensor accesses, {sites} call sites")
+    if not same:
+        i = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        print(f"  first difference at op {i}: mode {want[i:i + 4]} / native {got[i:i + 4]}")
+        from collections import Counter
+        diff = Counter(want)
+        diff.subtract(Counter(got))
+        odd = [(k, v) for k, v in diff.items() if v]
+        print(f"  count differences (mode - native), {len(odd)} ops: {sorted(odd, key=lambda kv: -abs(kv[1]))[:12]}")
+    return same
+
+
 class Modes:
     def __init__(self, native):
         self.native = native
         self.ctx = None
 
     def enter(self, mode):
-        if mode == "native":
-            self.native.enable()
+        if mode.startswith("native"):
+            self.native.enable(int(mode[-1]), False)
         elif mode == "floor":
             self.ctx = NoOp()
             self.ctx.__enter__()
@@ -108,7 +158,7 @@ class Modes:
             self.ctx.start()
 
     def exit(self, mode):
-        if mode == "native":
+        if mode.startswith("native"):
             self.native.disable()
             self.native.drain()
         elif mode == "floor":
@@ -119,7 +169,7 @@ class Modes:
 
 
 def measure(fn, modes, rounds):
-    names = ("plain", "native", "floor", "streamsan")
+    names = ("plain", "native0", "native1", "native2", "floor", "streamsan")
     times = {n: [] for n in names}
     for r in range(rounds + 1):
         for n in names:
@@ -144,8 +194,11 @@ def main():
     native = build()
     print(f"built the observer in {time.perf_counter() - t0:.1f} s; torch {torch.__version__}, device {a.device}")
     modes = Modes(native)
+    workloads = (("micro", micro(a.device)), ("decode", decode(a.device)))
+    for name, (fn, _ops) in workloads:
+        compare(native, name, fn)
     print(f"{'workload':9s} {'mode':10s} {'seconds':>8s} {'x plain':>8s} {'us/op over plain':>17s}")
-    for name, (fn, ops) in (("micro", micro(a.device)), ("decode", decode(a.device))):
+    for name, (fn, ops) in workloads:
         res = measure(fn, modes, a.rounds)
         for m, t in res.items():
             print(f"{name:9s} {m:10s} {t:8.3f} {t / res['plain']:8.2f} {(t - res['plain']) / ops * 1e6:17.2f}")
