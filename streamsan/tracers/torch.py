@@ -8,7 +8,7 @@ What it watches:
   ops on pinned CPU tensors with no CUDA tensor involved are host accesses;
 * events, waits, synchronizations, allocations and frees, through PyTorch's GPU trace callbacks;
 * what those miss: ``record_stream`` (an aten op), ``Event.query()`` / ``Stream.query()`` returning True
-  (patched), copies into pageable host memory (CUDA returns only after them: modelled as a host sync),
+  (patched, on ``torch.cuda`` and on the generic ``torch.Event`` / ``torch.Stream``), copies into pageable host memory (CUDA returns only after them: modelled as a host sync),
   pinned allocations (outputs of pinning ops and of non-blocking device-to-host copies), and host reads that
   launch no aten op (``Tensor.tolist()``, ``Tensor.numpy()``) on pinned memory.
 
@@ -37,6 +37,7 @@ _OP, _ALLOC, _FREE = E.OP, E.ALLOC, E.FREE
 _get_ident = threading.get_ident
 _cuda_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+_CUDA_TYPE = 1  # torch.Stream.device_type of a CUDA stream (c10::DeviceType::CUDA)
 
 # In-place ops that change only metadata (or rebind storage): their alias annotation says "write", but they
 # launch no kernel on the data.
@@ -475,6 +476,9 @@ class TorchTracer:
         if cuda is not None and hasattr(cuda, "Event"):
             targets.append((cuda.Event, "query", "event"))
             targets.append((cuda.Stream, "query", "stream"))
+        for cls in (getattr(torch, "Event", None), getattr(torch, "Stream", None)):  # the generic C classes
+            if cls is not None and cls.__dict__.get("query") is not None:
+                targets.append((cls, "query", "generic " + ("event" if cls is torch.Event else "stream")))
         for cls, attr, what in targets:
             orig = cls.__dict__.get(attr)
             if orig is None:
@@ -484,11 +488,14 @@ class TorchTracer:
                 def query(self):
                     done = orig(self)
                     if done and tracer.running:
-                        if what == "event":
-                            h = getattr(self, "cuda_event", 0)
+                        if what.endswith("event"):
+                            if what == "event":
+                                h = getattr(self, "cuda_event", 0)
+                            else:
+                                h = self.event_id if self.device.type == "cuda" else 0
                             if h:
                                 tracer._emit((E.EVENT_SYNC, h, tracer.stacks.capture(tracer.buffer.events, 1)))
-                        else:
+                        elif what == "stream" or self.device_type == _CUDA_TYPE:
                             dev, handle = _stream_key(self)
                             tracer._emit((E.STREAM_SYNC, tracer.agent(dev, handle),
                                           tracer.stacks.capture(tracer.buffer.events, 1)))
@@ -497,8 +504,8 @@ class TorchTracer:
                 query.__doc__ = orig.__doc__
                 return query
 
-            setattr(cls, attr, make(orig, what))
-            self._patched.append((cls, attr, orig))
+            if _set_type_attr(cls, attr, make(orig, what)):
+                self._patched.append((cls, attr, orig))
         self._patch_host_reads()
         self._patch_blind_spots()
 
@@ -587,7 +594,7 @@ class TorchTracer:
             if orig is None:  # the patch shadowed an inherited attribute
                 delattr(cls, attr)
             else:
-                setattr(cls, attr, orig)
+                _set_type_attr(cls, attr, orig)
 
     # ------------------------------------------------------------------ ranges
     def _range(self, t):
@@ -1036,6 +1043,27 @@ def _cuda_target(kwargs) -> int:
     if d.type != "cuda":
         return -1
     return d.index if d.index is not None else _cuda_get_device()
+
+
+def _set_type_attr(cls, attr: str, value) -> bool:
+    """Set a class attribute, also on a C type that refuses it (``torch.Event`` and ``torch.Stream`` are
+    immutable types): there the type's own dict is updated and CPython told that the type changed. Returns
+    whether the attribute is set."""
+    try:
+        setattr(cls, attr, value)
+        return True
+    except TypeError:
+        pass
+    try:
+        import ctypes
+        import gc
+
+        (own,) = [d for d in gc.get_referents(cls.__dict__) if isinstance(d, dict)]
+        own[attr] = value
+        ctypes.pythonapi.PyType_Modified(ctypes.py_object(cls))
+    except (AttributeError, ValueError, OSError):  # not CPython, or a dict it does not expose
+        return False
+    return cls.__dict__.get(attr) is value
 
 
 def _stream_key(stream) -> tuple[int, int]:
