@@ -332,6 +332,7 @@ class TorchTracer:
         self._scope_depth = threading.local()
         self._patched: list = []
         self._collective_agents: set[int] = set()
+        self._record_stream_seen = None  # the thread whose dispatch mode last saw a record_stream
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -507,6 +508,7 @@ class TorchTracer:
             if _set_type_attr(cls, attr, make(orig, what)):
                 self._patched.append((cls, attr, orig))
         self._patch_host_reads()
+        self._patch_outside_dispatch()
         self._patch_blind_spots()
 
     def _patch_host_reads(self) -> None:
@@ -531,6 +533,68 @@ class TorchTracer:
 
             self._patched.append((torch.Tensor, attr, torch.Tensor.__dict__.get(attr)))
             setattr(torch.Tensor, attr, make(orig, f"Tensor.{attr}"))
+
+    def _patch_outside_dispatch(self) -> None:
+        """Two things libraries do where a dispatch mode cannot see them (FSDP does both):
+
+        * ``record_stream`` under ``no_dispatch()``: handled here when the mode did not see the call;
+        * ``UntypedStorage.resize_`` (not an aten op): allocating a storage's block (sized here, on the current
+          stream), copying the old bytes over (a read and a write on that stream) and freeing the old block."""
+        tracer = self
+        orig_record = torch.Tensor.__dict__.get("record_stream") or getattr(torch.Tensor, "record_stream", None)
+        if orig_record is not None:
+            def record_stream(t, stream):
+                tracer._record_stream_seen = None
+                out = orig_record(t, stream)
+                if tracer.tracing and tracer.in_scope and tracer._record_stream_seen != _get_ident():
+                    tracer._record_stream((t, stream))
+                return out
+            record_stream.__wrapped__ = orig_record
+            record_stream.__doc__ = orig_record.__doc__
+            self._patched.append((torch.Tensor, "record_stream", torch.Tensor.__dict__.get("record_stream")))
+            torch.Tensor.record_stream = record_stream
+        storage = getattr(torch, "UntypedStorage", None)
+        orig_resize = getattr(storage, "resize_", None)
+        if orig_resize is not None:
+            def resize_(st, size):
+                if not (tracer.tracing and tracer.in_scope and st.is_cuda):
+                    return orig_resize(st, size)
+                return tracer._storage_resize(orig_resize, st, size)
+            resize_.__wrapped__ = orig_resize
+            resize_.__doc__ = orig_resize.__doc__
+            self._patched.append((storage, "resize_", storage.__dict__.get("resize_")))
+            storage.resize_ = resize_
+
+    def _storage_resize(self, orig, st, size):
+        dev = st.device.index
+        a = self.agent(dev, _cuda_raw_stream(dev))
+        old_ptr, old_n = st.data_ptr(), st.nbytes()
+        evs = self.buffer.events
+        stack = self.stacks.capture(evs, 3)
+        mine = self.op_agent = (dev, a, stack, self.ctx, _get_ident())
+        mark = len(evs)
+        try:
+            out = orig(st, size)
+        finally:
+            if self.op_agent is mine:
+                self.op_agent = None
+        if self.buffer.events is not evs:
+            evs = self.buffer.events
+            mark = 0
+        new_ptr, new_n = st.data_ptr(), st.nbytes()
+        inner = evs[mark:]
+        del evs[mark:]
+        allocs = [ev for ev in inner if ev[0] == E.ALLOC]
+        for i, ev in enumerate(allocs):
+            if ev[2] == new_ptr and ev[3] == 0:
+                allocs[i] = (E.ALLOC, ev[1], ev[2], new_n, ev[4], ev[5], ev[6], "storage")
+        evs.extend(allocs)
+        keep = min(old_n, new_n)
+        if keep and old_ptr != new_ptr:
+            evs.append((E.OP, a, "UntypedStorage.resize_", ((dev, old_ptr, keep),), ((dev, new_ptr, keep),),
+                        stack, self.ctx, 0))
+        evs.extend(ev for ev in inner if ev[0] != E.ALLOC)
+        return out
 
     def _host_read(self, t, name: str) -> None:
         r = self._range_in(t, E.PINNED)
@@ -688,6 +752,7 @@ class TorchTracer:
             if not plan.fresh_outputs:
                 if plan.record_stream:
                     self._record_stream(args)
+                    self._record_stream_seen = _get_ident()
                 return func(*args, **kwargs)
             evs = self.buffer.events
             mark = len(evs)
