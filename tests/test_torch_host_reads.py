@@ -80,3 +80,46 @@ def test_a_call_that_raises_reads_nothing(traced):
         host.requires_grad_().numpy()  # PyTorch refuses: no read happened
     tracer.stop()
     assert finding(analyzer) == []
+
+
+def test_a_numpy_view_read_after_the_synchronization_is_clean(traced):
+    """vLLM's asynchronous outputs: the view is made while the copy runs and read after waiting for it."""
+    tracer, analyzer, host = traced
+    view = host.numpy()
+    tracer.buffer.events.append(E.stream_sync(SIDE))
+    assert view.sum() == sum(range(16))
+    del view
+    tracer.stop()
+    assert finding(analyzer) == []
+
+
+def test_a_numpy_view_gone_before_the_synchronization_races(traced):
+    tracer, analyzer, host = traced
+    assert np.asarray(host).sum() == sum(range(16))  # the array is gone at the end of this line
+    tracer.buffer.events.append(E.stream_sync(SIDE))
+    tracer.stop()
+    base = host.untyped_storage().data_ptr()
+    assert finding(analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "Tensor.numpy"), base, base + 64)]
+
+
+def test_a_view_of_the_view_keeps_the_read_open(traced):
+    tracer, analyzer, host = traced
+    part = host.numpy()[4:8]  # the base array lives on through this slice
+    tracer.buffer.events.append(E.stream_sync(SIDE))
+    assert list(part) == [4, 5, 6, 7]
+    del part
+    tracer.stop()
+    assert finding(analyzer) == []
+
+
+def test_torch_save_reads_the_pinned_tensors_it_writes(traced):
+    import io
+
+    tracer, analyzer, host = traced
+    buf = io.BytesIO()
+    torch.save({"step": 3, "state": [host[:4], torch.ones(2)]}, buf)
+    tracer.stop()
+    assert torch.load(io.BytesIO(buf.getvalue()))["state"][0].tolist() == [0, 1, 2, 3]
+    base = host.untyped_storage().data_ptr()
+    assert finding(analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "torch.save"), base, base + 16)]
+    assert torch.save.__module__ == "torch.serialization" and not hasattr(torch.save, "__wrapped__")

@@ -8,9 +8,11 @@ What it watches:
   ops on pinned CPU tensors with no CUDA tensor involved are host accesses;
 * events, waits, synchronizations, allocations and frees, through PyTorch's GPU trace callbacks;
 * what those miss: ``record_stream`` (an aten op), ``Event.query()`` / ``Stream.query()`` returning True
-  (patched, on ``torch.cuda`` and on the generic ``torch.Event`` / ``torch.Stream``), copies into pageable host memory (CUDA returns only after them: modelled as a host sync),
-  pinned allocations (outputs of pinning ops and of non-blocking device-to-host copies), and host reads that
-  launch no aten op (``Tensor.tolist()``, ``Tensor.numpy()``) on pinned memory.
+  (patched, on ``torch.cuda`` and on the generic ``torch.Event`` / ``torch.Stream``), copies into pageable
+  host memory (CUDA returns only after them: modelled as a host sync),
+  pinned allocations (outputs of pinning ops and of non-blocking device-to-host copies), host reads that
+  launch no aten op (``Tensor.tolist()``, and ``Tensor.numpy()`` views, read when the array is gone) on pinned
+  memory, ``record_stream`` under ``no_dispatch()`` and ``UntypedStorage.resize_``.
 
 It never synchronizes, waits on events, reads device memory or changes streams (DESIGN §5): it reads tensor
 metadata and stream handles only. Events fired inside an op (its allocations, the synchronization of a
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -333,6 +336,7 @@ class TorchTracer:
         self._patched: list = []
         self._collective_agents: set[int] = set()
         self._record_stream_seen = None  # the thread whose dispatch mode last saw a record_stream
+        self._views: dict = {}  # id -> (weak reference to a NumPy view of pinned memory, its host read to come)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -350,6 +354,8 @@ class TorchTracer:
     def stop(self) -> None:
         if not self.running:
             return
+        while self._views:  # NumPy views still alive are read at the latest now
+            self.buffer.events.append(self._views.popitem()[1][1])
         self.running = self.tracing = False
         threading.setprofile(None)
         while self._modes:
@@ -512,9 +518,13 @@ class TorchTracer:
         self._patch_blind_spots()
 
     def _patch_host_reads(self) -> None:
-        """``Tensor.tolist()`` and ``Tensor.numpy()`` (also reached by ``np.asarray(t)``) read a CPU tensor's
-        memory without an aten op: on pinned memory they are host reads, at the time of the call. Later accesses
-        through the returned ndarray are not seen."""
+        """``Tensor.tolist()`` and ``Tensor.numpy()`` (also reached by ``np.asarray(t)``) launch no aten op.
+
+        ``tolist()`` reads a pinned tensor's memory when it is called. ``numpy()`` only makes a view, read later
+        through the array, which streamsan cannot see: the view counts as one host read at the latest moment the
+        program can read through it, when the array (and every view of it) is gone, or when tracing stops. So
+        ``np.asarray(t).sum()`` before a synchronization races, and a view made while a copy runs and read after
+        ``event.synchronize()`` (vLLM's asynchronous outputs) does not."""
         tracer = self
         for attr in ("tolist", "numpy"):
             orig = getattr(torch.Tensor, attr, None)
@@ -525,7 +535,10 @@ class TorchTracer:
                 def read(self, *a, **k):
                     out = orig(self, *a, **k)  # a call that raises read nothing
                     if tracer.pinned and tracer.tracing and self.is_cpu:
-                        tracer._host_read(self, name)
+                        if name == "Tensor.numpy":
+                            tracer._open_view(self, out)
+                        else:
+                            tracer._host_read(self, name)
                     return out
                 read.__wrapped__ = orig
                 read.__doc__ = orig.__doc__
@@ -533,6 +546,43 @@ class TorchTracer:
 
             self._patched.append((torch.Tensor, attr, torch.Tensor.__dict__.get(attr)))
             setattr(torch.Tensor, attr, make(orig, f"Tensor.{attr}"))
+        serialization = getattr(torch, "serialization", None)
+        orig_save = getattr(serialization, "save", None)
+        if orig_save is not None:
+            def save(obj, *a, **k):
+                """``torch.save`` reads the pinned tensors it serializes (in C++, without an aten op)."""
+                if tracer.pinned and tracer.tracing and tracer.in_scope:
+                    for t in _tensors_in(obj):
+                        if t.is_cpu:
+                            tracer._host_read(t, "torch.save")
+                return orig_save(obj, *a, **k)
+            save.__wrapped__ = orig_save
+            for owner in (torch, serialization):
+                if getattr(owner, "save", None) is orig_save:
+                    self._patched.append((owner, "save", orig_save))
+                    owner.save = save
+
+    def _host_read(self, t, name: str) -> None:
+        r = self._range_in(t, E.PINNED)
+        if r is not None:
+            self._emit((E.OP, E.HOST, name, (r,), (), self.stacks.capture(self.buffer.events, 2), self.ctx, 0))
+
+    def _open_view(self, t, array) -> None:
+        r = self._range_in(t, E.PINNED)
+        if r is None:
+            return
+        read = (E.OP, E.HOST, "Tensor.numpy", (r,), (), self.stacks.capture(self.buffer.events, 2), self.ctx, 0)
+        try:
+            ref = weakref.ref(array, self._close_view)
+        except TypeError:  # not an ndarray after all: read now
+            self._emit(read)
+            return
+        self._views[id(ref)] = (ref, read)  # the reference lives as long as its entry (arrays are unhashable)
+
+    def _close_view(self, ref) -> None:
+        entry = self._views.pop(id(ref), None)
+        if entry is not None and self.running:
+            self._emit(entry[1])
 
     def _patch_outside_dispatch(self) -> None:
         """Two things libraries do where a dispatch mode cannot see them (FSDP does both):
@@ -1108,6 +1158,21 @@ def _cuda_target(kwargs) -> int:
     if d.type != "cuda":
         return -1
     return d.index if d.index is not None else _cuda_get_device()
+
+
+def _tensors_in(obj, limit: int = 100_000):
+    """The tensors in a nest of dicts, lists, tuples and sets (a state dict, a checkpoint), at most ``limit``
+    containers and tensors visited."""
+    todo = [obj]
+    while todo and limit > 0:
+        limit -= 1
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            todo.extend(x)
 
 
 def _set_type_attr(cls, attr: str, value) -> bool:
