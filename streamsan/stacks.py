@@ -49,6 +49,7 @@ class StackTable:
         self.ids: dict[tuple, int] = {}
         self.codes: dict[int, object] = {}
         self._kind: dict[int, int] = {}  # id(code) -> OWN, LIBRARY or USER
+        self.fallback = None  # called with the events when a thread has no frame outside streamsan (or 0)
 
     def _classify(self, code) -> int:
         cid = id(code)
@@ -58,8 +59,13 @@ class StackTable:
         return k
 
     def capture(self, events: list, skip: int = 1) -> int:
-        """Capture the caller's stack (innermost first), skipping ``skip`` frames and streamsan's own."""
-        f = _getframe(skip + 1)
+        """Capture the caller's stack (innermost first), skipping ``skip`` frames and streamsan's own. In a thread
+        without such frames (PyTorch's autograd engine runs CUDA backward ops in threads of its own), the stack
+        is what ``fallback`` says, or 0."""
+        try:
+            f = _getframe(skip + 1)
+        except ValueError:  # a shallower stack than the caller expects
+            return self.fallback(events) if self.fallback is not None else 0
         kind = self._kind
         code = f.f_code
         k = kind.get(id(code))
@@ -70,7 +76,7 @@ class StackTable:
                     break
             f = f.f_back
             if f is None:
-                return 0
+                return self.fallback(events) if self.fallback is not None else 0
             code = f.f_code
             k = kind.get(id(code))
         # the innermost frame (the op's call site), then the user frames outside it; library frames between
@@ -97,6 +103,21 @@ class StackTable:
             sid = self.ids[k] = len(self.ids) + 1
             events.append((E.DEF_STACK, sid, self._frames(_getframe(skip + 1))))
         return sid
+
+    def synthetic(self, events: list, key: tuple, frames: tuple) -> int:
+        """The id of a stack made of given (file, line, function) frames, interned by ``key``."""
+        sid = self.ids.get(key)
+        if sid is None:
+            sid = self.ids[key] = len(self.ids) + 1
+            events.append((E.DEF_STACK, sid, frames))
+        return sid
+
+    def frames_here(self, skip: int = 1) -> tuple:
+        """The caller's stack as report frames (streamsan's own left out)."""
+        try:
+            return self._frames(_getframe(skip + 1))
+        except ValueError:
+            return ()
 
     def _frames(self, f) -> tuple:
         """The stack from frame f outwards, for a report: ``depth`` frames, more until ``user_depth`` are user

@@ -66,3 +66,20 @@ def test_an_own_frame_is_skipped():
     t._kind[id(tracer_frame.__code__)] = 0
     sid = tracer_frame(t, evs)
     assert evs[0][1] == sid and evs[0][2][0][2] == "test_an_own_frame_is_skipped"
+
+
+def test_a_thread_without_frames_gets_the_fallback_stack():
+    """PyTorch's autograd engine runs CUDA backward ops in C++ threads: no Python frame outside streamsan."""
+    t, evs = StackTable(), []
+    assert t.capture(evs, 10_000) == 0 and evs == []  # no fallback: no stack
+    t.fallback = lambda events: t.synthetic(events, ("autograd", "MulBackward0"),
+                                            (("<autograd engine>", 0, "MulBackward0"),))
+    sid = t.capture(evs, 10_000)
+    assert t.capture(evs, 10_000) == sid
+    assert evs == [(E.DEF_STACK, sid, (("<autograd engine>", 0, "MulBackward0"),))]
+
+
+def test_frames_here_leaves_out_nothing_of_the_user():
+    frames = StackTable().frames_here(0)
+    assert frames[0][2] == "test_frames_here_leaves_out_nothing_of_the_user"
+    assert StackTable().frames_here(10_000) == ()

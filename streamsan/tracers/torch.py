@@ -40,6 +40,7 @@ _OP, _ALLOC, _FREE = E.OP, E.ALLOC, E.FREE
 _get_ident = threading.get_ident
 _cuda_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", None)
 _CUDA_TYPE = 1  # torch.Stream.device_type of a CUDA stream (c10::DeviceType::CUDA)
 
 # In-place ops that change only metadata (or rebind storage): their alias annotation says "write", but they
@@ -336,6 +337,8 @@ class TorchTracer:
         self._patched: list = []
         self._collective_agents: set[int] = set()
         self._record_stream_seen = None  # the thread whose dispatch mode last saw a record_stream
+        self.stacks.fallback = self._engine_stack
+        self._backward_site: tuple = ()  # report frames of the latest backward() / autograd.grad() call
         self._views: dict = {}  # id -> (weak reference to a NumPy view of pinned memory, its host read to come)
 
     # ------------------------------------------------------------------ lifecycle
@@ -515,6 +518,7 @@ class TorchTracer:
                 self._patched.append((cls, attr, orig))
         self._patch_host_reads()
         self._patch_outside_dispatch()
+        self._patch_backward()
         self._patch_blind_spots()
 
     def _patch_host_reads(self) -> None:
@@ -567,6 +571,16 @@ class TorchTracer:
         if r is not None:
             self._emit((E.OP, E.HOST, name, (r,), (), self.stacks.capture(self.buffer.events, 2), self.ctx, 0))
 
+    def _engine_stack(self, events) -> int:
+        """The stack of an op run by PyTorch's autograd engine in a thread without Python frames: the backward
+        node it runs, then where ``backward()`` was called."""
+        node = _current_autograd_node() if _current_autograd_node is not None else None
+        if node is None:
+            return 0
+        name = node.name()
+        site = self._backward_site
+        return self.stacks.synthetic(events, ("autograd", name, site), (("<autograd engine>", 0, name),) + site)
+
     def _open_view(self, t, array) -> None:
         r = self._range_in(t, E.PINNED)
         if r is None:
@@ -583,6 +597,28 @@ class TorchTracer:
         entry = self._views.pop(id(ref), None)
         if entry is not None and self.running:
             self._emit(entry[1])
+
+    def _patch_backward(self) -> None:
+        """Remember where ``backward()`` / ``torch.autograd.grad()`` is called, for the stacks of the backward ops
+        the autograd engine runs in its own threads."""
+        tracer = self
+        autograd = getattr(torch, "autograd", None)
+        for attr in ("backward", "grad"):
+            orig = getattr(autograd, attr, None)
+            if orig is None:
+                continue
+
+            def make(orig):
+                def call(*a, **k):
+                    if tracer.tracing:
+                        tracer._backward_site = tracer.stacks.frames_here(1)
+                    return orig(*a, **k)
+                call.__wrapped__ = orig
+                call.__doc__ = orig.__doc__
+                return call
+
+            self._patched.append((autograd, attr, orig))
+            setattr(autograd, attr, make(orig))
 
     def _patch_outside_dispatch(self) -> None:
         """Two things libraries do where a dispatch mode cannot see them (FSDP does both):
