@@ -2,7 +2,8 @@
 
 ``expected.json`` / ``expected_cupy.json``: the scenarios of tests/gpu/test_{torch,cupy}_scenarios.py;
 ``expected_more.json``: NCCL collectives (test_collectives.py), copies between two GPUs (test_multi_gpu.py), loader
-threads and a CUDA graph (test_reliability.py).
+threads and a CUDA graph (test_reliability.py); ``expected_field.json``: real projects' stream bugs and their fixes
+(test_field_training.py, test_field_inference.py) and backward passes on streams (test_autograd_streams.py).
 
 The traces are real PyTorch programs (torch 2.11, CUDA 13); CI has no GPU, so this is how it checks the whole
 path from a live program's events to findings.
@@ -18,7 +19,8 @@ from streamsan.replay import replay_trace
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 EXPECTED = {**json.loads((FIXTURES / "expected.json").read_text()),  # tests/gpu/test_torch_scenarios.py
             **json.loads((FIXTURES / "expected_cupy.json").read_text()),  # tests/gpu/test_cupy_scenarios.py
-            **json.loads((FIXTURES / "expected_more.json").read_text())}
+            **json.loads((FIXTURES / "expected_more.json").read_text()),
+            **json.loads((FIXTURES / "expected_field.json").read_text())}
 
 
 def summarize(report):

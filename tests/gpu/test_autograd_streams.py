@@ -191,7 +191,7 @@ EXPECTED = {
         ("device-device", "side", "aten::add.Tensor", "default", "aten::mul.Tensor"),
     ],
     "initial_grad_from_other_stream": [
-        ("device-device", "default", "aten::fill_.Scalar", "side", "aten::mul.Tensor"),
+        ("device-device", "default", "aten::ones_like", "side", "aten::mul.Tensor"),
     ],
     "grad_hook_reads_on_side_stream": [
         ("device-device", "default", "aten::mul.Tensor", "side", "aten::mul.Tensor"),
