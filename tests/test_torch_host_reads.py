@@ -123,3 +123,17 @@ def test_torch_save_reads_the_pinned_tensors_it_writes(traced):
     base = host.untyped_storage().data_ptr()
     assert finding(analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "torch.save"), base, base + 16)]
     assert torch.save.__module__ == "torch.serialization" and not hasattr(torch.save, "__wrapped__")
+
+
+def test_an_op_on_a_wrapper_subclass_accesses_its_inner_tensors(traced):
+    """DTensor-like wrappers: the dispatch mode sees the op on the wrapper, not the inner ops it runs."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    tracer, analyzer, host = traced
+    w = TwoTensor(host[4:8], torch.zeros(16)[4:8])  # the second inner tensor is pageable: not followed
+    w.mul_(2)
+    tracer.stop()
+    assert host[4:8].tolist() == [8, 10, 12, 14]
+    base = host.untyped_storage().data_ptr()
+    assert finding(analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "aten::mul_.Tensor"), base + 16,
+                                  base + 32)]

@@ -73,6 +73,16 @@ def subclass():
     return (x + 1).tolist(), float(x.numpy().sum())
 
 
+def wrapper_subclass():
+    """A subclass wrapping other tensors (as DTensor does): its ops run on the inner tensors."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    w = TwoTensor(pin(torch.ones(4)), pin(torch.zeros(4)))
+    v = (w * 2).mul_(3)
+    e = torch.empty_like(w)
+    return v.a.tolist(), v.b.tolist(), tuple(e.shape), torch.stack([w, w]).a.shape[0]
+
+
 def fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -105,7 +115,7 @@ def numpy_round_trip():
 
 
 CASES = [sparse_coo, sparse_csr, nested, complex_views, quantized, meta, expanded, empty_and_zero_dim, subclass,
-         fake_tensors, bools, resized, autograd, numpy_round_trip]
+         wrapper_subclass, fake_tensors, bools, resized, autograd, numpy_round_trip]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)

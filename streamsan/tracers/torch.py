@@ -159,25 +159,51 @@ class _Mode(TorchDispatchMode):
         self.tracer = tracer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.tracer.tracing or (types and _without_memory(types)):
+        if not self.tracer.tracing:
             return func(*args, **(kwargs or {}))
+        if types:  # tensor subclasses (plain tensors give none)
+            kind = _subclass_kind(types)
+            if kind == _MEMORYLESS:
+                return func(*args, **(kwargs or {}))
+            if kind == _WRAPPER:
+                return self.tracer._dispatch_wrapped(func, args, kwargs or {})
         return self.tracer._dispatch(func, args, kwargs or {})
 
 
 _NO_MEMORY = ("FakeTensor", "FunctionalTensor")
-_memoryless: dict = {}
+_PLAIN, _MEMORYLESS, _WRAPPER = 0, 1, 2
+_subclass_kinds: dict = {}
 
 
-def _without_memory(types) -> bool:
-    """Whether an op involves tensor subclasses that stand for no real memory (fake tensors of tracing
-    compilers, functionalization wrappers): such ops are not accesses."""
+def _subclass_kind(types) -> int:
+    """What the tensor subclasses of an op are: fake tensors of tracing compilers and functionalization wrappers
+    stand for no real memory (such ops are not accesses); wrapper subclasses (DTensor, ...: they declare their
+    inner tensors with ``__tensor_flatten__``) run the op on inner tensors the dispatch mode does not see;
+    anything else is memory of its own."""
+    kind = _PLAIN
     for ty in types:
-        known = _memoryless.get(ty)
-        if known is None:
-            known = _memoryless[ty] = any(c.__name__ in _NO_MEMORY for c in ty.__mro__)
-        if known:
-            return True
-    return False
+        k = _subclass_kinds.get(ty)
+        if k is None:
+            k = _subclass_kinds[ty] = _MEMORYLESS if any(c.__name__ in _NO_MEMORY for c in ty.__mro__) else \
+                _WRAPPER if hasattr(ty, "__tensor_flatten__") else _PLAIN
+        if k == _MEMORYLESS:
+            return k
+        kind = kind or k
+    return kind
+
+
+def _plain_tensors(obj):
+    """The tensors with memory of their own in an op argument or result: wrapper subclasses are replaced by their
+    inner tensors, recursively; lists and tuples are walked."""
+    if isinstance(obj, torch.Tensor):
+        if hasattr(type(obj), "__tensor_flatten__"):
+            for name in obj.__tensor_flatten__()[0]:
+                yield from _plain_tensors(getattr(obj, name))
+        else:
+            yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _plain_tensors(x)
 
 
 def _dynamo_safe() -> None:
@@ -339,6 +365,10 @@ class TorchTracer:
         self._record_stream_seen = None  # the thread whose dispatch mode last saw a record_stream
         self.stacks.fallback = self._engine_stack
         self._backward_site: tuple = ()  # report frames of the latest backward() / autograd.grad() call
+        # threads of the autograd engine (met running backward ops without Python frames): it records the gradients
+        # it hands from one stream to another on the receiving stream, natively, so their ops carry
+        # OP_RECORDS_INPUTS
+        self._engine_threads: set[int] = set()
         self._views: dict = {}  # id -> (weak reference to a NumPy view of pinned memory, its host read to come)
 
     # ------------------------------------------------------------------ lifecycle
@@ -577,6 +607,7 @@ class TorchTracer:
         node = _current_autograd_node() if _current_autograd_node is not None else None
         if node is None:
             return 0
+        self._engine_threads.add(_get_ident())
         name = node.name()
         site = self._backward_site
         return self.stacks.synthetic(events, ("autograd", name, site), (("<autograd engine>", 0, name),) + site)
@@ -950,6 +981,8 @@ class TorchTracer:
         flags = 0
         if plan.is_copy and cpu is not None:
             flags = self._copy_flags(cpu, cpu_written, args, kwargs)
+        if self._engine_threads and _get_ident() in self._engine_threads:
+            flags |= E.OP_RECORDS_INPUTS
         op = (_OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
         inner = len(evs) - mark
         if not inner:
@@ -999,9 +1032,9 @@ class TorchTracer:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     try:
                         st = t.untyped_storage()
-                    except RuntimeError:  # sparse: no single storage
+                        sizes[st.data_ptr()] = (st.nbytes(), describe(t))
+                    except RuntimeError:  # sparse, or a subclass without storage: no single block
                         continue
-                    sizes[st.data_ptr()] = (st.nbytes(), describe(t))
         return sizes
 
     def _fill_alloc_sizes(self, evs, mark, out) -> None:
@@ -1063,6 +1096,53 @@ class TorchTracer:
             if a == agent:
                 evs.append((E.STREAM, agent, key[0], key[1], self.streams.flags_of.get(key, 0), "collective stream"))
                 return
+
+    def _dispatch_wrapped(self, func, args, kwargs):
+        """An op on wrapper subclasses (DTensor, ...): the subclass runs it on its inner tensors where the dispatch
+        mode does not look, so the op's accesses are the inner tensors', on the current stream of their device."""
+        plan = self.plans.get(id(func)) or self._plan(func)
+        reads, writes = [], []
+        dev = -1
+        for pos, name, is_write, _is_list in plan.tensor_args:
+            v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
+            for t in _plain_tensors(v):
+                if t.is_cuda and dev < 0:
+                    dev = t.get_device()
+                r = None if plan.skip else self._range(t)
+                if r is not None:
+                    (writes if is_write else reads).append(r)
+        if dev < 0:
+            dev = _cuda_target(kwargs)
+        evs = self.buffer.events
+        stack = self.stacks.capture(evs, 2)
+        a = E.HOST
+        mine = None
+        if dev >= 0:
+            a = self.agent(dev, _cuda_raw_stream(dev))
+            mine = self.op_agent = (dev, a, stack, self.ctx, _get_ident())
+        mark = len(evs)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            if mine is not None and self.op_agent is mine:
+                self.op_agent = None
+        if self.buffer.events is not evs:
+            evs = self.buffer.events
+            mark = 0
+        plain = list(_plain_tensors(out))
+        if plan.skip:
+            self._fill_alloc_sizes(evs, mark, plain)
+            return out
+        if plan.fresh_outputs:
+            self._outputs(plain, writes)
+        if a == E.HOST and len(evs) == mark:
+            if reads or writes:  # pinned host memory only
+                evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0))
+            return out
+        self.saw_cuda = True
+        self._place(evs, mark, (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0),
+                    plain if plan.fresh_outputs else None, collective=plan.collective)
+        return out
 
     def _host_op(self, func, plan, args, kwargs, reads, writes):
         """An op on CPU tensors that touches pinned memory: a host access."""
