@@ -1135,10 +1135,15 @@ class TorchTracer:
             return out
         if plan.fresh_outputs:
             self._outputs(plain, writes)
-        if a == E.HOST and len(evs) == mark:
-            if reads or writes:  # pinned host memory only
+        if a == E.HOST:  # no CUDA tensor among the arguments it reads (zeros_like reads none): its outputs'
+            dev = next((t.get_device() for t in plain if t.is_cuda), -1)
+            if dev >= 0:
+                a = self.agent(dev, _cuda_raw_stream(dev))
+            elif reads or writes:  # pinned host memory only
                 evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0))
-            return out
+                return out
+            else:
+                return out
         self.saw_cuda = True
         self._place(evs, mark, (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0),
                     plain if plan.fresh_outputs else None, collective=plan.collective)
