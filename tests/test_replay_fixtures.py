@@ -3,7 +3,8 @@
 ``expected.json`` / ``expected_cupy.json``: the scenarios of tests/gpu/test_{torch,cupy}_scenarios.py;
 ``expected_more.json``: NCCL collectives (test_collectives.py), copies between two GPUs (test_multi_gpu.py), loader
 threads and a CUDA graph (test_reliability.py); ``expected_field.json``: real projects' stream bugs and their fixes
-(test_field_training.py, test_field_inference.py) and backward passes on streams (test_autograd_streams.py).
+(test_field_training.py, test_field_inference.py), backward passes on streams (test_autograd_streams.py) and
+training steps of DDP, FSDP (both APIs), activation checkpointing and AMP (test_parallel_libs.py: all clean).
 
 The traces are real PyTorch programs (torch 2.11, CUDA 13); CI has no GPU, so this is how it checks the whole
 path from a live program's events to findings.
@@ -59,3 +60,27 @@ def test_uncompressed_frames_replay_the_same(name, tmp_path):
     report = replay_trace(str(tmp_path / "raw.sstrace"))
     assert report["complete"] is True
     assert summarize(report) == EXPECTED[name]
+
+
+def test_fsdp_is_clean_because_backward_ops_record_their_inputs():
+    """FSDP1 on an H200: the autograd engine hands gradients from the default stream to the stream FSDP unsharded
+    on, and records them there natively; streamsan's OP_RECORDS_INPUTS stands for that. Without it, the trace
+    would give a false missing-record-stream."""
+    from streamsan import events as E
+    from streamsan.analyzer import Analyzer
+    from streamsan.trace import TraceReader
+
+    flagged, stripped = 0, Analyzer()
+    for batch in TraceReader(str(FIXTURES / "fsdp1_training.sstrace")).batches():
+        out = []
+        for ev in batch:
+            if ev[0] == E.OP and ev[7] & E.OP_RECORDS_INPUTS:
+                flagged += 1
+                ev = ev[:7] + (ev[7] & ~E.OP_RECORDS_INPUTS,)
+            out.append(ev)
+        stripped.feed(out)
+    stripped.finish()
+    assert flagged > 0
+    assert [(f.kind, f.previous.name, f.current.name) for f in stripped.sorted_findings()] == [
+        ("missing-record-stream", "aten::cat", "allocation")]
+    assert replay_trace(str(FIXTURES / "fsdp1_training.sstrace"))["races"] == []
