@@ -161,13 +161,19 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.tracer.tracing:
             return func(*args, **(kwargs or {}))
-        if types:  # tensor subclasses (plain tensors give none)
-            kind = _subclass_kind(types)
-            if kind == _MEMORYLESS:
-                return func(*args, **(kwargs or {}))
-            if kind == _WRAPPER:
-                return self.tracer._dispatch_wrapped(func, args, kwargs or {})
-        return self.tracer._dispatch(func, args, kwargs or {})
+        try:
+            if types:  # tensor subclasses (plain tensors give none)
+                kind = _subclass_kind(types)
+                if kind == _MEMORYLESS:
+                    return func(*args, **(kwargs or {}))
+                if kind == _WRAPPER:
+                    return self.tracer._dispatch_wrapped(func, args, kwargs or {})
+            return self.tracer._dispatch(func, args, kwargs or {})
+        except Exception as exc:
+            ran = self.tracer._internal_error(exc, func)
+            if ran is None:  # the op's own error: the program sees it as without streamsan
+                raise
+            return ran[1] if ran[0] else func(*args, **(kwargs or {}))
 
 
 _NO_MEMORY = ("FakeTensor", "FunctionalTensor")
@@ -601,6 +607,32 @@ class TorchTracer:
         if r is not None:
             self._emit((E.OP, E.HOST, name, (r,), (), self.stacks.capture(self.buffer.events, 2), self.ctx, 0))
 
+    def _internal_error(self, exc, func):
+        """An exception escaped the dispatch: None if the op itself raised it, else (whether the op ran, its
+        output) after :meth:`_stop_on_bug` (a bug of streamsan's must not break the program). Which it is: the
+        innermost streamsan frame of the traceback stands on a line that calls the op, or not; an op that ran
+        left its result in that frame's ``out``."""
+        import linecache
+
+        tb, own = exc.__traceback__, None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_OWN_PREFIX):
+                own = tb
+            tb = tb.tb_next
+        if own is None or "func(*args" in linecache.getline(own.tb_frame.f_code.co_filename, own.tb_lineno):
+            return None
+        self._stop_on_bug(exc, str(func))
+        return "out" in own.tb_frame.f_locals, own.tb_frame.f_locals.get("out")
+
+    def _stop_on_bug(self, exc, where: str) -> None:
+        """A bug of streamsan's own surfaced at ``where``: stop tracing, log the traceback, say so in the report."""
+        import logging
+
+        self.tracing = False
+        logging.getLogger("streamsan").error("internal error while tracing %s", where, exc_info=exc)
+        self._note_once("internal", f"streamsan stopped tracing after an internal error at {where} "
+                                    f"({type(exc).__name__}: {exc}); findings cover what ran before it")
+
     def _engine_stack(self, events) -> int:
         """The stack of an op run by PyTorch's autograd engine in a thread without Python frames: the backward
         node it runs, then where ``backward()`` was called."""
@@ -664,7 +696,10 @@ class TorchTracer:
                 tracer._record_stream_seen = None
                 out = orig_record(t, stream)
                 if tracer.tracing and tracer.in_scope and tracer._record_stream_seen != _get_ident():
-                    tracer._record_stream((t, stream))
+                    try:
+                        tracer._record_stream((t, stream))
+                    except Exception as exc:
+                        tracer._stop_on_bug(exc, "Tensor.record_stream")
                 return out
             record_stream.__wrapped__ = orig_record
             record_stream.__doc__ = orig_record.__doc__
@@ -683,11 +718,15 @@ class TorchTracer:
             storage.resize_ = resize_
 
     def _storage_resize(self, orig, st, size):
-        dev = st.device.index
-        a = self.agent(dev, _cuda_raw_stream(dev))
-        old_ptr, old_n = st.data_ptr(), st.nbytes()
-        evs = self.buffer.events
-        stack = self.stacks.capture(evs, 3)
+        try:
+            dev = st.device.index
+            a = self.agent(dev, _cuda_raw_stream(dev))
+            old_ptr, old_n = st.data_ptr(), st.nbytes()
+            evs = self.buffer.events
+            stack = self.stacks.capture(evs, 3)
+        except Exception as exc:
+            self._stop_on_bug(exc, "UntypedStorage.resize_")
+            return orig(st, size)
         mine = self.op_agent = (dev, a, stack, self.ctx, _get_ident())
         mark = len(evs)
         try:
@@ -695,6 +734,15 @@ class TorchTracer:
         finally:
             if self.op_agent is mine:
                 self.op_agent = None
+        try:
+            self._place_resize(evs, mark, st, a, dev, old_ptr, old_n, stack)
+        except Exception as exc:
+            self._stop_on_bug(exc, "UntypedStorage.resize_")
+        return out
+
+    def _place_resize(self, evs, mark, st, a, dev, old_ptr, old_n, stack) -> None:
+        """The events of a storage resize: its new block's allocation (sized), the copy of the old bytes on the
+        current stream, then the old block's free."""
         if self.buffer.events is not evs:
             evs = self.buffer.events
             mark = 0
@@ -711,12 +759,6 @@ class TorchTracer:
             evs.append((E.OP, a, "UntypedStorage.resize_", ((dev, old_ptr, keep),), ((dev, new_ptr, keep),),
                         stack, self.ctx, 0))
         evs.extend(ev for ev in inner if ev[0] != E.ALLOC)
-        return out
-
-    def _host_read(self, t, name: str) -> None:
-        r = self._range_in(t, E.PINNED)
-        if r is not None:
-            self._emit((E.OP, E.HOST, name, (r,), (), self.stacks.capture(self.buffer.events, 2), self.ctx, 0))
 
     def _note_once(self, key: str, text: str) -> None:
         if key not in self._noted:
@@ -1294,6 +1336,9 @@ def _tensors_in(obj, limit: int = 100_000):
             todo.extend(x.values())
         elif isinstance(x, (list, tuple, set, frozenset)):
             todo.extend(x)
+
+
+_OWN_PREFIX = __file__.rsplit("tracers", 1)[0]  # streamsan's own source files
 
 
 def _set_type_attr(cls, attr: str, value) -> bool:

@@ -1,0 +1,54 @@
+"""A bug of streamsan's own in the dispatch path must not break the traced program: the op still runs once and
+returns its result, tracing stops, and a note says why. An error of the op itself reaches the program unchanged.
+CPU: the tensors are registered as pinned memory so that ops take the tracer's host-access path."""
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from streamsan.sink import EventBuffer  # noqa: E402
+from streamsan.tracers.torch import TorchTracer  # noqa: E402
+
+
+@pytest.fixture
+def tracer():
+    t = TorchTracer(EventBuffer())
+    t.notes = []
+    t.on_note = t.notes.append
+    x = torch.arange(4.0)
+    st = x.untyped_storage()
+    t.pinned[st.data_ptr()] = st.nbytes()
+    t.x = x
+    t.start()
+    yield t
+    t.stop()
+
+
+def broken(*a, **k):
+    raise ValueError("a streamsan bug")
+
+
+def test_a_bug_before_the_op_runs_it_untraced(tracer, monkeypatch, caplog):
+    monkeypatch.setattr(tracer.stacks, "capture", broken)
+    with caplog.at_level(logging.ERROR, logger="streamsan"):
+        y = tracer.x.mul(2)  # the bug strikes before the op runs
+    assert y.tolist() == [0, 2, 4, 6]
+    assert tracer.tracing is False
+    assert len(tracer.notes) == 1 and "internal error" in tracer.notes[0] and "a streamsan bug" in tracer.notes[0]
+    assert "a streamsan bug" in caplog.text
+
+
+def test_a_bug_after_the_op_returns_its_result_without_running_it_again(tracer, monkeypatch):
+    monkeypatch.setattr(tracer.buffer, "batch", 0)  # the op's event is flushed right after the op, and that fails
+    monkeypatch.setattr(tracer.buffer, "flush", broken)
+    y = tracer.x.add_(1)  # in place: running it twice would show
+    assert y is tracer.x and tracer.x.tolist() == [1, 2, 3, 4]
+    assert tracer.tracing is False and len(tracer.notes) == 1
+
+
+def test_the_ops_own_error_reaches_the_program(tracer):
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        tracer.x.add(torch.ones(3))
+    assert tracer.tracing is True and tracer.notes == []
