@@ -1,5 +1,5 @@
 """Real training code of PyTorch's own libraries on a GPU, which must come out clean: DDP, FSDP (both APIs),
-activation checkpointing and mixed precision, each for a few steps in a one-process NCCL group.
+tensor parallelism (DTensor), activation checkpointing and mixed precision, each for a few steps in a one-process NCCL group.
 
 These libraries order their streams carefully (DDP's gradient buckets and allreduce, FSDP's all-gather and
 reduce-scatter streams with events, ``record_stream`` under ``no_dispatch()`` and storage resizing), so any
@@ -93,6 +93,17 @@ def fsdp2_training():
     torch.cuda.synchronize()
 
 
+def tensor_parallel_training():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cuda", (1,))
+    net = model()
+    net = parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    train(net, torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=True))
+    torch.cuda.synchronize()
+
+
 def checkpointed_training():
     from torch.utils.checkpoint import checkpoint
 
@@ -114,7 +125,8 @@ def amp_training():
     torch.cuda.synchronize()
 
 
-SCENARIOS = [ddp_training, fsdp1_training, fsdp2_training, checkpointed_training, amp_training]
+SCENARIOS = [ddp_training, fsdp1_training, fsdp2_training, tensor_parallel_training, checkpointed_training,
+             amp_training]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
