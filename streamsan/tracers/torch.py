@@ -1139,6 +1139,26 @@ class TorchTracer:
                 evs.append((E.STREAM, agent, key[0], key[1], self.streams.flags_of.get(key, 0), "collective stream"))
                 return
 
+    def _run_inside(self, func, args, kwargs, dev: int, stack: int):
+        """Run an op; on a CUDA device (``dev`` >= 0) its current stream is the agent of the events fired inside
+        the op (allocations, a copy's events). Returns (output, agent, the event list, where the events fired
+        inside start). (``_dispatch`` spells this out: it is the hot path.)"""
+        evs = self.buffer.events
+        a = E.HOST
+        mine = None
+        if dev >= 0:
+            a = self.agent(dev, _cuda_raw_stream(dev))
+            mine = self.op_agent = (dev, a, stack, self.ctx, _get_ident())
+        mark = len(evs)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            if mine is not None and self.op_agent is mine:
+                self.op_agent = None
+        if self.buffer.events is not evs:  # another thread flushed while the op ran: all since then is inside it
+            return out, a, self.buffer.events, 0
+        return out, a, evs, mark
+
     def _dispatch_wrapped(self, func, args, kwargs):
         """An op on wrapper subclasses (DTensor, ...): the subclass runs it on its inner tensors where the dispatch
         mode does not look, so the op's accesses are the inner tensors', on the current stream of their device."""
@@ -1155,22 +1175,8 @@ class TorchTracer:
                     (writes if is_write else reads).append(r)
         if dev < 0:
             dev = _cuda_target(kwargs)
-        evs = self.buffer.events
-        stack = self.stacks.capture(evs, 2)
-        a = E.HOST
-        mine = None
-        if dev >= 0:
-            a = self.agent(dev, _cuda_raw_stream(dev))
-            mine = self.op_agent = (dev, a, stack, self.ctx, _get_ident())
-        mark = len(evs)
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            if mine is not None and self.op_agent is mine:
-                self.op_agent = None
-        if self.buffer.events is not evs:
-            evs = self.buffer.events
-            mark = 0
+        stack = self.stacks.capture(self.buffer.events, 2)
+        out, a, evs, mark = self._run_inside(func, args, kwargs, dev, stack)
         plain = list(_plain_tensors(out))
         if plan.skip:
             self._fill_alloc_sizes(evs, mark, plain)
@@ -1211,23 +1217,10 @@ class TorchTracer:
             v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
             if isinstance(v, torch.Tensor) and v.is_cuda:
                 dev = v.get_device()
-        evs = self.buffer.events
-        stack = self.stacks.capture(evs, 3)
-        a = E.HOST
+        stack = self.stacks.capture(self.buffer.events, 3)
         if dev >= 0:
             self.saw_cuda = True
-            a = self.agent(dev, _cuda_raw_stream(dev))
-        mine = None
-        if dev >= 0:
-            mine = self.op_agent = (dev, a, stack, self.ctx, _get_ident())
-        mark = len(evs)
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            if mine is not None and self.op_agent is mine:
-                self.op_agent = None
-        if self.buffer.events is not evs:
-            mark = 0
+        out, a, evs, mark = self._run_inside(func, args, kwargs, dev, stack)
         pre = []
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and t.is_cpu and t.layout is _STRIDED and t.nbytes and \
