@@ -7,10 +7,10 @@ below follow "Stream semantics of backward passes" in PyTorch's CUDA notes, whos
 exactly what users write. Same table-driven style as test_torch_scenarios.py.
 """
 
-import pytest
 import torch
 
 import streamsan
+from scenario_kit import scenario_tests
 
 N = 1 << 16
 
@@ -199,11 +199,4 @@ EXPECTED = {
 }
 
 
-def test_every_scenario_has_an_expectation():
-    assert sorted(f.__name__ for f in SCENARIOS) == sorted(EXPECTED)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
-def test_scenario(san, scenario):
-    _, got = san(scenario)
-    assert got == [tuple(x) for x in EXPECTED[scenario.__name__]]
+test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED)

@@ -1,12 +1,11 @@
 """NCCL collectives in a one-process group: a collective runs on NCCL's stream after waiting for the current
 stream, so using its tensor before ``work.wait()`` races and after it is clean."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
+
+from scenario_kit import one_process_group
 
 N = 1 << 16
 
@@ -16,17 +15,8 @@ if not dist.is_available() or not dist.is_nccl_available():
 
 @pytest.fixture(scope="module", autouse=True)
 def group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    t = torch.ones(8, device="cuda")
-    dist.all_reduce(t)  # create NCCL's communicator and stream before tracing
-    torch.cuda.synchronize()
-    yield
-    dist.destroy_process_group()
+    with one_process_group():
+        yield
 
 
 def async_allreduce_then_use():

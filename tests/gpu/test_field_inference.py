@@ -14,19 +14,9 @@ They expect ``[]`` because that is the truth. The last one is a known false repo
 rows an ``index_copy_`` writes is in device memory, which streamsan never reads.
 """
 
-import pytest
 import torch
 
-import streamsan
-
-
-def streams(*names):
-    out = []
-    for n in names:
-        s = torch.cuda.Stream()
-        streamsan.name_stream(s, n)
-        out.append(s)
-    return out
+from scenario_kit import scenario_tests, streams
 
 
 # ------------------------------------------------------------------ persistent pinned input buffers (H2D)
@@ -118,8 +108,7 @@ def _accepted_tokens_steps(sync_before_read):
         if step:
             if sync_before_read:
                 copied.synchronize()
-            counts = accepted_cpu.tolist()  # next step's attention metadata reads last step's counts
-            del counts
+            accepted_cpu.tolist()  # next step's attention metadata reads last step's counts
         accepted_gpu.fill_(step % 3 + 1)  # the rejection sampler's result for this step
         accepted_cpu.copy_(accepted_gpu, non_blocking=True)
         if sync_before_read:
@@ -526,19 +515,10 @@ EXPECTED = {
 }
 
 
-def test_every_scenario_has_an_expectation():
-    assert sorted(f.__name__ for f in SCENARIOS) == sorted(EXPECTED)
-
-
 KNOWN_FALSE_REPORTS = {
     "vllm_kv_store_waits_compute_paged_write": "reported: (device-device, offload, aten::copy_, default, "
                                                "aten::index_copy_); the rows index_copy_ writes are in device memory",
 }
 
 
-@pytest.mark.parametrize("scenario", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FALSE_REPORTS[f.__name__]))
-    if f.__name__ in KNOWN_FALSE_REPORTS else f for f in SCENARIOS], ids=lambda f: f.__name__)
-def test_scenario(san, scenario):
-    _, got = san(scenario)
-    assert got == [tuple(x) for x in EXPECTED[scenario.__name__]]
+test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED, KNOWN_FALSE_REPORTS)

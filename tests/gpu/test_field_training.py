@@ -12,22 +12,12 @@ modelled project ("copy", "unshard", "reduce", "d2h", ...).
 
 import math
 
-import pytest
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-import streamsan
+from scenario_kit import scenario_tests, streams
 
 N = 1 << 16
-
-
-def streams(*names):
-    out = []
-    for n in names:
-        s = torch.cuda.Stream()
-        streamsan.name_stream(s, n)
-        out.append(s)
-    return out
 
 
 # ------------------------------------------------------------------------------ apex / timm data prefetcher
@@ -440,11 +430,4 @@ EXPECTED = {
 }
 
 
-def test_every_scenario_has_an_expectation():
-    assert sorted(f.__name__ for f in SCENARIOS) == sorted(EXPECTED)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
-def test_scenario(san, scenario):
-    _, got = san(scenario)
-    assert got == [tuple(x) for x in EXPECTED[scenario.__name__]]
+test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED)

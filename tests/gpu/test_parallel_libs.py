@@ -1,5 +1,6 @@
 """Real training code of PyTorch's own libraries on a GPU, which must come out clean: DDP, FSDP (both APIs),
-tensor parallelism (DTensor), activation checkpointing and mixed precision, each for a few steps in a one-process NCCL group.
+tensor parallelism (DTensor), activation checkpointing and mixed precision, each for a few steps in a
+one-process NCCL group.
 
 These libraries order their streams carefully (DDP's gradient buckets and allreduce, FSDP's all-gather and
 reduce-scatter streams with events, ``record_stream`` under ``no_dispatch()`` and storage resizing), so any
@@ -7,11 +8,12 @@ finding here is a false report. The backward ops run in the autograd engine's ow
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from scenario_kit import one_process_group
 
 if not dist.is_available() or not dist.is_nccl_available():
     pytest.skip("needs NCCL", allow_module_level=True)
@@ -21,17 +23,8 @@ STEPS = 3
 
 @pytest.fixture(scope="module", autouse=True)
 def group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    t = torch.ones(8, device="cuda")
-    dist.all_reduce(t)
-    torch.cuda.synchronize()
-    yield
-    dist.destroy_process_group()
+    with one_process_group():
+        yield
 
 
 def model():

@@ -3,7 +3,6 @@
 import queue
 import threading
 
-import pytest
 import torch
 import torch.cuda._gpu_trace as gpu_trace
 

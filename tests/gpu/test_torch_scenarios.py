@@ -7,21 +7,12 @@ stream role, current op) tuples. Side streams are named "side" / "side2" with st
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 import streamsan
+from scenario_kit import scenario_tests, streams
 
 N = 1 << 16
-
-
-def streams(*names):
-    out = []
-    for n in names:
-        s = torch.cuda.Stream()
-        streamsan.name_stream(s, n)
-        out.append(s)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- races
@@ -392,11 +383,4 @@ SCENARIOS = [
 EXPECTED = json.loads((Path(__file__).parent.parent / "fixtures" / "gpu" / "expected.json").read_text())
 
 
-def test_every_scenario_has_an_expectation():
-    assert sorted(f.__name__ for f in SCENARIOS) == sorted(EXPECTED)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
-def test_scenario(san, scenario):
-    _, got = san(scenario)
-    assert got == [tuple(x) for x in EXPECTED[scenario.__name__]]
+test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED)

@@ -1,0 +1,60 @@
+"""What the table-driven GPU scenario modules share: named side streams, the two tests every such module has,
+and a one-process NCCL group."""
+
+import os
+import socket
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import streamsan
+
+
+def streams(*names):
+    """New CUDA streams, each named for reports (the role in expected findings)."""
+    out = []
+    for n in names:
+        s = torch.cuda.Stream()
+        streamsan.name_stream(s, n)
+        out.append(s)
+    return out
+
+
+def scenario_tests(scenarios, expected, known_false=None):
+    """The tests of a scenario table: every scenario has an expectation, and each gives exactly its findings
+    ((kind, previous role, previous op, current role, current op) tuples). ``known_false``: scenario name ->
+    the false report it is known to give (a strict xfail)."""
+    known_false = known_false or {}
+
+    def test_every_scenario_has_an_expectation():
+        assert sorted(f.__name__ for f in scenarios) == sorted(expected)
+
+    @pytest.mark.parametrize("scenario", [
+        pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=known_false[f.__name__]))
+        if f.__name__ in known_false else f for f in scenarios], ids=lambda f: f.__name__)
+    def test_scenario(san, scenario):
+        _, got = san(scenario)
+        assert got == [tuple(x) for x in expected[scenario.__name__]]
+
+    return test_every_scenario_has_an_expectation, test_scenario
+
+
+@contextmanager
+def one_process_group():
+    """A one-process NCCL group on GPU 0, its communicator and stream made before tracing starts."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    t = torch.ones(8, device="cuda")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
