@@ -32,6 +32,13 @@ def forward_on(s, x):
         return (x * x * 3).sum()
 
 
+def side_forward():
+    """(side stream, leaf, loss computed from the leaf on the side stream)."""
+    s = side()
+    x = leaf()
+    return s, x, forward_on(s, x)
+
+
 # ------------------------------------------------------------------------------------------ clean
 def training_step_one_stream():
     """Forward, backward, optimizer step and zero_grad on the default stream: the common case."""
@@ -48,9 +55,7 @@ def training_step_one_stream():
 
 def grads_used_in_backward_stream_context():
     """Safe (the notes' first example): grads are used in the same stream context as backward()."""
-    s = side()
-    x = leaf()
-    loss = forward_on(s, x)
+    s, x, loss = side_forward()
     with torch.cuda.stream(s):
         loss.backward()
         y = x.grad * 2
@@ -60,9 +65,7 @@ def grads_used_in_backward_stream_context():
 
 def grads_used_after_wait_stream():
     """Safe with synchronization: the current stream waits for the backward stream before using grads."""
-    s = side()
-    x = leaf()
-    loss = forward_on(s, x)
+    s, x, loss = side_forward()
     with torch.cuda.stream(s):
         loss.backward()
     torch.cuda.current_stream().wait_stream(s)
@@ -74,9 +77,7 @@ def grads_used_after_wait_stream():
 def backward_from_default_after_side_forward():
     """Safe: backward() called on the default stream; PyTorch orders the default stream after the side stream's
     backward ops that wrote the leaf's gradient."""
-    s = side()
-    x = leaf()
-    loss = forward_on(s, x)
+    s, x, loss = side_forward()
     loss.backward()
     y = x.grad * 2
     torch.cuda.synchronize()
@@ -85,9 +86,7 @@ def backward_from_default_after_side_forward():
 
 def initial_grad_in_same_context():
     """Safe: the initial gradient is made in the stream context of backward()."""
-    s = side()
-    x = leaf()
-    loss = forward_on(s, x)
+    s, x, loss = side_forward()
     with torch.cuda.stream(s):
         loss.backward(gradient=torch.ones_like(loss))
     torch.cuda.current_stream().wait_stream(s)
@@ -97,9 +96,7 @@ def initial_grad_in_same_context():
 def initial_grad_synchronized():
     """Safe: the initial gradient is made on the default stream, and the backward stream waits for it
     (and it is recorded on that stream, so its memory is not reused early)."""
-    s = side()
-    x = leaf()
-    loss = forward_on(s, x)
+    s, x, loss = side_forward()
     initial = torch.ones_like(loss)
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -131,9 +128,7 @@ def grad_hook_waits_for_backward_stream():
 def grads_used_outside_backward_stream_context():
     """Unsafe (the notes' second example): forward and backward ran on the side stream; the default stream
     reads the gradient without waiting for it."""
-    s = side()
-    x = leaf()
-    loss = forward_on(s, x)
+    s, x, loss = side_forward()
     with torch.cuda.stream(s):
         loss.backward()
     y = x.grad * 2
@@ -144,9 +139,7 @@ def grads_used_outside_backward_stream_context():
 def initial_grad_from_other_stream():
     """Unsafe (the notes' example): the initial gradient is filled on the default stream and backward() reads it
     on the side stream with no synchronization."""
-    s = side()
-    x = leaf()
-    loss = forward_on(s, x)
+    s, x, loss = side_forward()
     initial = torch.ones_like(loss)
     with torch.cuda.stream(s):
         loss.backward(gradient=initial)
