@@ -338,11 +338,6 @@ class Analyzer:
         if flags & E.OP_BLOCKING and a != HOST:
             self._host_learns(t)
             t[a] += 1
-        if flags & E.OP_RECORDS_INPUTS and a != HOST:
-            for r in reads:
-                blk = self._block_at(r[0], r[1])
-                if blk is not None and a != blk.owner:
-                    blk.recorded = blk.recorded | {a}
 
     def _space(self, space: int) -> ShadowSpace:
         sh = self.shadow.get(space)

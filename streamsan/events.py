@@ -26,8 +26,7 @@ EVENT_SYNC     (6, event, stack)                the host waits for the event (sy
 DEVICE_SYNC    (7, device, stack)               the host waits for every stream of the device
 OP             (8, agent, name, reads, writes, stack, ctx, flags)   work on a stream (or a host access when
                agent == HOST); reads / writes: tuples of ranges; flags: OP_BLOCKING (the host waits for
-               the stream right after the op: blocking copies, .item(), copies into pageable memory),
-               OP_RECORDS_INPUTS (its stream is recorded on the blocks it reads: backward ops)
+               the stream right after the op: blocking copies, .item(), copies into pageable memory)
 ALLOC          (9, space, start, size, agent, stack, ctx, what)   owner stream (HOST for pinned memory);
                what: a short description of the first tensor, e.g. "bfloat16[1, 8, 512, 128]"
 FREE           (10, space, start, stack)
@@ -74,8 +73,6 @@ LEGACY_DEFAULT = 2  # the legacy default (NULL) stream of its device
 
 # OP flags
 OP_BLOCKING = 1
-OP_RECORDS_INPUTS = 2  # the op's stream is recorded (record_stream) on the blocks it reads, as PyTorch's autograd
-#                        engine records the gradients it hands from the stream that made them to another
 
 
 def def_stack(stack_id: int, frames) -> tuple:

@@ -3,8 +3,9 @@
 ``expected.json`` / ``expected_cupy.json``: the scenarios of tests/gpu/test_{torch,cupy}_scenarios.py;
 ``expected_more.json``: NCCL collectives (test_collectives.py), copies between two GPUs (test_multi_gpu.py), loader
 threads and a CUDA graph (test_reliability.py); ``expected_field.json``: real projects' stream bugs and their fixes
-(test_field_training.py, test_field_inference.py), backward passes on streams (test_autograd_streams.py) and
-training steps of DDP, FSDP (both APIs), activation checkpointing and AMP (test_parallel_libs.py: all clean).
+(test_field_training.py, test_field_inference.py, test_field_more.py, test_field_cupy.py), backward passes on
+streams (test_autograd_streams.py) and training steps of DDP, FSDP (both APIs), tensor parallelism, activation
+checkpointing and AMP (test_parallel_libs.py: all clean).
 
 The traces are real PyTorch programs (torch 2.11, CUDA 13); CI has no GPU, so this is how it checks the whole
 path from a live program's events to findings.
@@ -62,25 +63,28 @@ def test_uncompressed_frames_replay_the_same(name, tmp_path):
     assert summarize(report) == EXPECTED[name]
 
 
-def test_fsdp_is_clean_because_backward_ops_record_their_inputs():
+
+def test_the_engines_gradient_records_keep_fsdp_clean():
     """FSDP1 on an H200: the autograd engine hands gradients from the default stream to the stream FSDP unsharded
-    on, and records them there natively; streamsan's OP_RECORDS_INPUTS stands for that. Without it, the trace
-    would give a false missing-record-stream."""
+    on and records them there in C++; the tracer writes those records as RECORD_STREAM events with the backward
+    node's stack. Without them the trace would give a false missing-record-stream."""
     from streamsan import events as E
     from streamsan.analyzer import Analyzer
     from streamsan.trace import TraceReader
 
-    flagged, stripped = 0, Analyzer()
+    engine_stacks, dropped, stripped = set(), 0, Analyzer()
     for batch in TraceReader(str(FIXTURES / "fsdp1_training.sstrace")).batches():
-        out = []
+        kept = []
         for ev in batch:
-            if ev[0] == E.OP and ev[7] & E.OP_RECORDS_INPUTS:
-                flagged += 1
-                ev = ev[:7] + (ev[7] & ~E.OP_RECORDS_INPUTS,)
-            out.append(ev)
-        stripped.feed(out)
+            if ev[0] == E.DEF_STACK and ev[2] and ev[2][0][0] == "<autograd engine>":
+                engine_stacks.add(ev[1])
+            if ev[0] == E.RECORD_STREAM and ev[4] in engine_stacks:
+                dropped += 1
+                continue
+            kept.append(ev)
+        stripped.feed(kept)
     stripped.finish()
-    assert flagged > 0
+    assert dropped > 0
     assert [(f.kind, f.previous.name, f.current.name) for f in stripped.sorted_findings()] == [
         ("missing-record-stream", "aten::cat", "allocation")]
     assert replay_trace(str(FIXTURES / "fsdp1_training.sstrace"))["races"] == []

@@ -615,17 +615,6 @@ def test_record_stream_before_the_foreign_access_suppresses_too():
     none(evs)
 
 
-def test_a_backward_op_records_its_stream_on_what_it_reads():
-    """PyTorch's autograd engine records a gradient it hands to another stream on that stream (natively, unseen by a
-    dispatch mode): its ops carry OP_RECORDS_INPUTS, so freeing the gradient afterwards is no finding."""
-    evs = streams(A, B) + [alloc(0, BASE, 1 * KB, A), op(A, "mul", writes=[D(0, 1 * KB)]), event_record(2, A),
-                           event_wait(2, B), op(B, "cat", reads=[D(256, 512)], flags=E.OP_RECORDS_INPUTS),
-                           free(0, BASE), alloc(0, BASE + Q_OFF, 64, A)]
-    none(evs)
-    one([e if e[0] != E.OP or e[2] != "cat" else op(B, "cat", reads=[D(256, 512)]) for e in evs],
-        MISSING_RECORD_STREAM, (B, "cat"), (A, "allocation"), BASE, BASE + 1 * KB)
-
-
 def test_record_stream_on_a_view_inside_the_block_suppresses():
     # t[1:].record_stream(B): the view's data pointer is inside the block
     evs = mrs_prefix()

@@ -287,6 +287,8 @@ class _GpuTrace:
                     dev = t.live_device.pop(ptr, None)
                     if dev is not None:
                         t._emit((_FREE, dev, ptr, 0))
+                        if t._engine_grads:
+                            t._engine_grads.discard(ptr)
                 except Exception:
                     _log_callback_error(gt.MemoryDeallocationCallbacks.name)
 
@@ -371,10 +373,11 @@ class TorchTracer:
         self._record_stream_seen = None  # the thread whose dispatch mode last saw a record_stream
         self.stacks.fallback = self._engine_stack
         self._backward_site: tuple = ()  # report frames of the latest backward() / autograd.grad() call
-        # threads of the autograd engine (met running backward ops without Python frames): it records the gradients
-        # it hands from one stream to another on the receiving stream, natively, so their ops carry
-        # OP_RECORDS_INPUTS
+        # the autograd engine (see _engine_op): its threads (met running backward ops without Python frames), the
+        # stacks of such ops, and the blocks of the gradients they made that are still alive
         self._engine_threads: set[int] = set()
+        self._engine_sids: set[int] = set()
+        self._engine_grads: set[int] = set()
         self._views: dict = {}  # id -> (weak reference to a NumPy view of pinned memory, its host read to come)
 
     # ------------------------------------------------------------------ lifecycle
@@ -642,7 +645,9 @@ class TorchTracer:
         self._engine_threads.add(_get_ident())
         name = node.name()
         site = self._backward_site
-        return self.stacks.synthetic(events, ("autograd", name, site), (("<autograd engine>", 0, name),) + site)
+        sid = self.stacks.synthetic(events, ("autograd", name, site), (("<autograd engine>", 0, name),) + site)
+        self._engine_sids.add(sid)
+        return sid
 
     def _open_view(self, t, array) -> None:
         r = self._range_in(t, E.PINNED)
@@ -1023,8 +1028,6 @@ class TorchTracer:
         flags = 0
         if plan.is_copy and cpu is not None:
             flags = self._copy_flags(cpu, cpu_written, args, kwargs)
-        if self._engine_threads and _get_ident() in self._engine_threads:
-            flags |= E.OP_RECORDS_INPUTS
         op = (_OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
         inner = len(evs) - mark
         if not inner:
@@ -1037,9 +1040,36 @@ class TorchTracer:
             evs.append(op)
         else:
             self._place(evs, mark, op, out if plan.fresh_outputs else None, collective=plan.collective)
+        if self._engine_threads and _get_ident() in self._engine_threads:
+            self._engine_op(evs, plan, args, kwargs, out, a, stack)
         if len(evs) >= self.buffer.batch:  # (ops of other threads still running see the new list)
             self.buffer.flush()
         return out
+
+    def _engine_op(self, evs, plan, args, kwargs, out, a, stack) -> None:
+        """An op in a thread of PyTorch's autograd engine. The engine hands the gradients a backward node makes
+        to the nodes that consume them, and when a consumer runs on another stream it records the gradient on that
+        stream, in C++ (``record_stream``, unseen by a dispatch mode). Gradients are what the engine's own
+        backward formulas make (ops without Python frames: not the tensors pack / unpack hooks or the forward
+        pass made), so: the outputs of such ops are remembered as gradients, and each gradient an engine op reads
+        is recorded on that op's stream."""
+        grads = self._engine_grads
+        if plan.fresh_outputs and stack in self._engine_sids:
+            for t in _plain_tensors(out):
+                if t.is_cuda:
+                    grads.add(t.untyped_storage().data_ptr())
+        if not grads:
+            return
+        nargs = len(args)
+        for pos, name, is_write, is_list in plan.tensor_args:
+            if is_write:
+                continue
+            v = args[pos] if 0 <= pos < nargs else kwargs.get(name)
+            for t in (v if is_list else (v,)):
+                if isinstance(t, _Tensor) and t.is_cuda and t.layout is _STRIDED:
+                    base = t.untyped_storage().data_ptr()
+                    if base in grads:
+                        evs.append((E.RECORD_STREAM, t.get_device(), base, a, stack))
 
     def _copy_flags(self, cpu, cpu_written, args, kwargs) -> int:
         """OP_BLOCKING for copies the host waits for: into pageable memory (CUDA returns once it is done, even

@@ -6,6 +6,7 @@ import os
 import pytest
 
 torch = pytest.importorskip("torch")
+pytest.register_assert_rewrite("scenario_kit")  # its scenario test shows the findings that differ
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)

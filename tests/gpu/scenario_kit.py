@@ -11,20 +11,22 @@ import torch
 import streamsan
 
 
-def streams(*names):
-    """New CUDA streams, each named for reports (the role in expected findings)."""
+def streams(*names, make=None):
+    """New streams (``make()``: a torch.cuda.Stream by default), each named for reports (the role in expected
+    findings)."""
     out = []
     for n in names:
-        s = torch.cuda.Stream()
+        s = make() if make is not None else torch.cuda.Stream()
         streamsan.name_stream(s, n)
         out.append(s)
     return out
 
 
-def scenario_tests(scenarios, expected, known_false=None):
+def scenario_tests(scenarios, expected, known_false=None, tracer=None):
     """The tests of a scenario table: every scenario has an expectation, and each gives exactly its findings
     ((kind, previous role, previous op, current role, current op) tuples). ``known_false``: scenario name ->
-    the false report it is known to give (a strict xfail)."""
+    the false report it is known to give (a strict xfail). ``tracer``: a tracer the session must have run
+    ("cupy")."""
     known_false = known_false or {}
 
     def test_every_scenario_has_an_expectation():
@@ -34,7 +36,9 @@ def scenario_tests(scenarios, expected, known_false=None):
         pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=known_false[f.__name__]))
         if f.__name__ in known_false else f for f in scenarios], ids=lambda f: f.__name__)
     def test_scenario(san, scenario):
-        _, got = san(scenario)
+        session, got = san(scenario)
+        if tracer is not None:
+            assert tracer in session.tracers, session.problems
         assert got == [tuple(x) for x in expected[scenario.__name__]]
 
     return test_every_scenario_has_an_expectation, test_scenario

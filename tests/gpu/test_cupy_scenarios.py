@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import streamsan
+from scenario_kit import scenario_tests
+from scenario_kit import streams as kit_streams
 
 cupy = pytest.importorskip("cupy")
 cupyx = pytest.importorskip("cupyx")
@@ -25,12 +27,7 @@ F32 = numpy.float32
 
 
 def streams(*names, non_blocking=True):
-    out = []
-    for n in names:
-        s = cupy.cuda.Stream(non_blocking=non_blocking)
-        streamsan.name_stream(s, n)
-        out.append(s)
-    return out
+    return kit_streams(*names, make=lambda: cupy.cuda.Stream(non_blocking=non_blocking))
 
 
 def filled(value=1.0, n=N):
@@ -391,12 +388,4 @@ SCENARIOS = [
 EXPECTED = json.loads((Path(__file__).parent.parent / "fixtures" / "gpu" / "expected_cupy.json").read_text())
 
 
-def test_every_scenario_has_an_expectation():
-    assert sorted(f.__name__ for f in SCENARIOS) == sorted(EXPECTED)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
-def test_scenario(san, scenario):
-    s, got = san(scenario)
-    assert "cupy" in s.tracers, s.problems
-    assert got == [tuple(x) for x in EXPECTED[scenario.__name__]], [n for _, n in s.analyzer.notes]
+test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED, tracer="cupy")

@@ -81,11 +81,13 @@ def missing_record_stream():
 
 def alloc_reuse_on_other_stream():
     (s,) = streams("side")
-    x = torch.empty(N, device="cuda")
+    n = (5 << 18) + 1024  # a size of its own in the allocator's large pool: z gets x's block
+    torch.cuda.empty_cache()
+    x = torch.empty(n, device="cuda")
     x.fill_(1.0)
     y = x * 2
     del x
-    z = torch.empty(N, device="cuda")  # likely the same block as x
+    z = torch.empty(n, device="cuda")  # x's block
     with torch.cuda.stream(s):
         z.fill_(7.0)  # written on side without waiting for the default stream's old work on the block
     torch.cuda.synchronize()
