@@ -22,6 +22,22 @@ def streams(*names, make=None):
     return out
 
 
+def need_cupy():
+    """(cupy, cupyx) for a CuPy scenario module; skips the module without CuPy or without a GPU for it."""
+    cupy = pytest.importorskip("cupy")
+    cupyx = pytest.importorskip("cupyx")
+    if not cupy.cuda.is_available():
+        pytest.skip("needs CuPy with a CUDA GPU", allow_module_level=True)
+    return cupy, cupyx
+
+
+def cupy_streams(*names, non_blocking=True):
+    """New CuPy streams (non-blocking unless told), each named for reports."""
+    import cupy
+
+    return streams(*names, make=lambda: cupy.cuda.Stream(non_blocking=non_blocking))
+
+
 def scenario_tests(scenarios, expected, known_false=None, tracer=None):
     """The tests of a scenario table: every scenario has an expectation, and each gives exactly its findings
     ((kind, previous role, previous op, current role, current op) tuples). ``known_false``: scenario name ->

@@ -15,24 +15,16 @@ CuPy.
 """
 
 import numpy
-import pytest
 import torch
 
 import streamsan
-from scenario_kit import scenario_tests
-from scenario_kit import streams as kit_streams
+from scenario_kit import cupy_streams as streams
+from scenario_kit import need_cupy, scenario_tests
 
-cupy = pytest.importorskip("cupy")
-cupyx = pytest.importorskip("cupyx")
-if not cupy.cuda.is_available():
-    pytest.skip("needs CuPy with a CUDA GPU", allow_module_level=True)
+cupy, cupyx = need_cupy()
 
 N = 1 << 16
 F32 = numpy.float32
-
-
-def streams(*names, non_blocking=True):
-    return kit_streams(*names, make=lambda: cupy.cuda.Stream(non_blocking=non_blocking))
 
 
 def device_sync():
