@@ -86,4 +86,4 @@ def test_real_program_is_clean(program):
         got = program()
     assert got == expected
     assert s.findings == [], [(f.kind, f.previous.name, f.current.name) for f in s.findings]
-    assert s.analyzer.counts["ops"] > 20
+    assert s.analyzer.counts["ops"] > 10  # the accelerate case is the smallest: 13 ops on an H200
