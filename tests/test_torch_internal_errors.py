@@ -52,3 +52,15 @@ def test_the_ops_own_error_reaches_the_program(tracer):
     with pytest.raises(RuntimeError, match="size of tensor"):
         tracer.x.add(torch.ones(3))
     assert tracer.tracing is True and tracer.notes == []
+
+
+def test_a_bug_in_a_patched_method_leaves_its_result(tracer, monkeypatch):
+    """The patches of tolist(), numpy(), torch.save and query(): the program gets what the method returns."""
+    import io
+
+    monkeypatch.setattr(tracer, "_host_read", broken)
+    assert tracer.x.tolist() == [0, 1, 2, 3]
+    assert tracer.tracing is False and len(tracer.notes) == 1 and "Tensor.tolist" in tracer.notes[0]
+    tracer.tracing = True
+    torch.save({"x": tracer.x}, io.BytesIO())  # the same bug: one note only
+    assert len(tracer.notes) == 1

@@ -537,17 +537,10 @@ class TorchTracer:
                 def query(self):
                     done = orig(self)
                     if done and tracer.running:
-                        if what.endswith("event"):
-                            if what == "event":
-                                h = getattr(self, "cuda_event", 0)
-                            else:
-                                h = self.event_id if self.device.type == "cuda" else 0
-                            if h:
-                                tracer._emit((E.EVENT_SYNC, h, tracer.stacks.capture(tracer.buffer.events, 1)))
-                        elif what == "stream" or self.device_type == _CUDA_TYPE:
-                            dev, handle = _stream_key(self)
-                            tracer._emit((E.STREAM_SYNC, tracer.agent(dev, handle),
-                                          tracer.stacks.capture(tracer.buffer.events, 1)))
+                        try:
+                            tracer._queried(self, what)
+                        except Exception as exc:
+                            tracer._stop_on_bug(exc, f"{what} query()")
                     return done
                 query.__wrapped__ = orig
                 query.__doc__ = orig.__doc__
@@ -559,6 +552,17 @@ class TorchTracer:
         self._patch_outside_dispatch()
         self._patch_backward()
         self._patch_blind_spots()
+
+    def _queried(self, obj, what: str) -> None:
+        """A ``query()`` of an event or stream returned True: the host has waited for it."""
+        if what.endswith("event"):
+            h = getattr(obj, "cuda_event", 0) if what == "event" else \
+                (obj.event_id if obj.device.type == "cuda" else 0)
+            if h:
+                self._emit((E.EVENT_SYNC, h, self.stacks.capture(self.buffer.events, 2)))
+        elif what == "stream" or obj.device_type == _CUDA_TYPE:
+            dev, handle = _stream_key(obj)
+            self._emit((E.STREAM_SYNC, self.agent(dev, handle), self.stacks.capture(self.buffer.events, 2)))
 
     def _patch_host_reads(self) -> None:
         """``Tensor.tolist()`` and ``Tensor.numpy()`` (also reached by ``np.asarray(t)``) launch no aten op.
@@ -578,10 +582,13 @@ class TorchTracer:
                 def read(self, *a, **k):
                     out = orig(self, *a, **k)  # a call that raises read nothing
                     if tracer.pinned and tracer.tracing and self.is_cpu:
-                        if name == "Tensor.numpy":
-                            tracer._open_view(self, out)
-                        else:
-                            tracer._host_read(self, name)
+                        try:
+                            if name == "Tensor.numpy":
+                                tracer._open_view(self, out)
+                            else:
+                                tracer._host_read(self, name)
+                        except Exception as exc:
+                            tracer._stop_on_bug(exc, name)
                     return out
                 read.__wrapped__ = orig
                 read.__doc__ = orig.__doc__
@@ -595,9 +602,12 @@ class TorchTracer:
             def save(obj, *a, **k):
                 """``torch.save`` reads the pinned tensors it serializes (in C++, without an aten op)."""
                 if tracer.pinned and tracer.tracing and tracer.in_scope:
-                    for t in _tensors_in(obj):
-                        if t.is_cpu:
-                            tracer._host_read(t, "torch.save")
+                    try:
+                        for t in _tensors_in(obj):
+                            if t.is_cpu:
+                                tracer._host_read(t, "torch.save")
+                    except Exception as exc:
+                        tracer._stop_on_bug(exc, "torch.save")
                 return orig_save(obj, *a, **k)
             save.__wrapped__ = orig_save
             for owner in (torch, serialization):
