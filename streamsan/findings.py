@@ -46,10 +46,21 @@ def user_frame(frames):
     return frames[0] if frames else None
 
 
+# The file of the frame a tracer puts first in the stack of a backward op that PyTorch's autograd engine runs in a
+# thread without Python frames; its function is the backward node (``MulBackward0``), the frames after it are where
+# ``backward()`` was called.
+ENGINE_FRAME = "<autograd engine>"
+
+
 def location(frames, fallback: str) -> str:
+    """Where an access happened, for a report: the innermost user frame as ``path:line``; for a backward op of the
+    autograd engine, its node and where ``backward()`` was called."""
     f = user_frame(frames)
     if f is None:
         return fallback
+    if f[0] == ENGINE_FRAME:
+        outer = user_frame(frames[1:])
+        return f"{f[2]} (backward() at {short_path(outer[0])}:{outer[1]})" if outer else f"{f[2]} (backward)"
     return f"{short_path(f[0])}:{f[1]}"
 
 

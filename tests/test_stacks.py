@@ -83,3 +83,13 @@ def test_frames_here_leaves_out_nothing_of_the_user():
     frames = StackTable().frames_here(0)
     assert frames[0][2] == "test_frames_here_leaves_out_nothing_of_the_user"
     assert StackTable().frames_here(10_000) == ()
+
+
+def test_a_backward_op_is_located_by_its_node_and_the_backward_call():
+    from streamsan.findings import ENGINE_FRAME, location
+
+    frames = ((ENGINE_FRAME, 0, "MulBackward0"),
+              ("/venv/lib/python3.12/site-packages/torch/_tensor.py", 623, "Tensor.backward"),
+              ("/home/me/train.py", 42, "step"))
+    assert location(frames, "") == "MulBackward0 (backward() at home/me/train.py:42)"
+    assert location(frames[:1], "") == "MulBackward0 (backward)"

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import events as E
 from ..agents import StreamRegistry
+from ..findings import ENGINE_FRAME
 from ..stacks import StackTable
 
 _STRIDED = torch.strided
@@ -655,7 +656,7 @@ class TorchTracer:
         self._engine_threads.add(_get_ident())
         name = node.name()
         site = self._backward_site
-        sid = self.stacks.synthetic(events, ("autograd", name, site), (("<autograd engine>", 0, name),) + site)
+        sid = self.stacks.synthetic(events, ("autograd", name, site), ((ENGINE_FRAME, 0, name),) + site)
         self._engine_sids.add(sid)
         return sid
 
