@@ -60,6 +60,23 @@ def scenario_tests(scenarios, expected, known_false=None, tracer=None):
     return test_every_scenario_has_an_expectation, test_scenario
 
 
+def untraced_then_traced(program):
+    """(what the program returns untraced, what it returns under ``streamsan.watch()``, that session), the GPU
+    idle before and after each run."""
+    torch.cuda.synchronize()
+    expected = program()
+    torch.cuda.synchronize()
+    with streamsan.watch() as session:
+        got = program()
+        torch.cuda.synchronize()
+    return expected, got, session
+
+
+def findings_of(session):
+    """(kind, previous op, current op) of each finding: what an assertion about a clean run shows."""
+    return [(f.kind, f.previous.name, f.current.name) for f in session.findings]
+
+
 @contextmanager
 def one_process_group():
     """A one-process NCCL group on GPU 0, its communicator and stream made before tracing starts."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_map
 
-import streamsan
+from scenario_kit import findings_of, untraced_then_traced
 
 
 class LegacyWrapper(torch.Tensor):
@@ -77,10 +77,6 @@ CASES = [legacy_wrapper, flatten_wrapper, jagged_nested, sparse, complex_views, 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
 def test_traced_results_match_untraced(case):
-    expected = case()
-    torch.cuda.synchronize()
-    with streamsan.watch() as s:
-        got = case()
-        torch.cuda.synchronize()
+    expected, got, session = untraced_then_traced(case)
     assert got == expected
-    assert s.findings == []
+    assert findings_of(session) == []

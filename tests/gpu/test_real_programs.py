@@ -6,7 +6,7 @@ and any exception a bug of streamsan's (the programs run untraced first, so a br
 import pytest
 import torch
 
-import streamsan
+from scenario_kit import findings_of, untraced_then_traced
 
 
 def imagenet_style_training():
@@ -80,10 +80,7 @@ PROGRAMS = [imagenet_style_training, lightning_fit, generate_static_cache, accel
 
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda f: f.__name__)
 def test_real_program_is_clean(program):
-    expected = program()
-    torch.cuda.synchronize()
-    with streamsan.watch() as s:
-        got = program()
+    expected, got, session = untraced_then_traced(program)
     assert got == expected
-    assert s.findings == [], [(f.kind, f.previous.name, f.current.name) for f in s.findings]
-    assert s.analyzer.counts["ops"] > 10  # the accelerate case is the smallest: 13 ops on an H200
+    assert findings_of(session) == []
+    assert session.analyzer.counts["ops"] > 10  # the accelerate case is the smallest: 13 ops on an H200
