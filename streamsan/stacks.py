@@ -26,7 +26,8 @@ _OWN_DIRS = tuple(
 OWN, LIBRARY, USER = 0, 1, 2
 
 
-def _is_own(filename: str) -> bool:
+def is_own_file(filename: str) -> bool:
+    """Whether a source file is streamsan's own (the package or its hooks)."""
     return os.path.normcase(filename).startswith(_OWN_DIRS) or "streamsan" + os.sep + "hooks" + os.sep in filename
 
 
@@ -54,7 +55,7 @@ class StackTable:
     def _classify(self, code) -> int:
         cid = id(code)
         self.codes[cid] = code
-        k = OWN if _is_own(code.co_filename) else LIBRARY if is_library_frame(code.co_filename) else USER
+        k = OWN if is_own_file(code.co_filename) else LIBRARY if is_library_frame(code.co_filename) else USER
         self._kind[cid] = k
         return k
 
@@ -65,7 +66,7 @@ class StackTable:
         try:
             f = _getframe(skip + 1)
         except ValueError:  # a shallower stack than the caller expects
-            return self.fallback(events) if self.fallback is not None else 0
+            return self._no_frames(events)
         kind = self._kind
         code = f.f_code
         k = kind.get(id(code))
@@ -76,7 +77,7 @@ class StackTable:
                     break
             f = f.f_back
             if f is None:
-                return self.fallback(events) if self.fallback is not None else 0
+                return self._no_frames(events)
             code = f.f_code
             k = kind.get(id(code))
         # the innermost frame (the op's call site), then the user frames outside it; library frames between
@@ -103,6 +104,9 @@ class StackTable:
             sid = self.ids[k] = len(self.ids) + 1
             events.append((E.DEF_STACK, sid, self._frames(_getframe(skip + 1))))
         return sid
+
+    def _no_frames(self, events: list) -> int:
+        return self.fallback(events) if self.fallback is not None else 0
 
     def synthetic(self, events: list, key: tuple, frames: tuple) -> int:
         """The id of a stack made of given (file, line, function) frames, interned by ``key``."""

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import events as E
 from ..agents import StreamRegistry
 from ..findings import ENGINE_FRAME
-from ..stacks import StackTable
+from ..stacks import StackTable, is_own_file
 
 _STRIDED = torch.strided
 _Tensor = torch.Tensor
@@ -630,7 +630,7 @@ class TorchTracer:
 
         tb, own = exc.__traceback__, None
         while tb is not None:
-            if tb.tb_frame.f_code.co_filename.startswith(_OWN_PREFIX):
+            if is_own_file(tb.tb_frame.f_code.co_filename):
                 own = tb
             tb = tb.tb_next
         if own is None or "func(*args" in linecache.getline(own.tb_frame.f_code.co_filename, own.tb_lineno):
@@ -736,20 +736,12 @@ class TorchTracer:
     def _storage_resize(self, orig, st, size):
         try:
             dev = st.device.index
-            a = self.agent(dev, _cuda_raw_stream(dev))
             old_ptr, old_n = st.data_ptr(), st.nbytes()
-            evs = self.buffer.events
-            stack = self.stacks.capture(evs, 3)
+            stack = self.stacks.capture(self.buffer.events, 3)
         except Exception as exc:
             self._stop_on_bug(exc, "UntypedStorage.resize_")
             return orig(st, size)
-        mine = self.op_agent = (dev, a, stack, self.ctx, _get_ident())
-        mark = len(evs)
-        try:
-            out = orig(st, size)
-        finally:
-            if self.op_agent is mine:
-                self.op_agent = None
+        out, a, evs, mark = self._run_inside(orig, (st, size), {}, dev, stack)
         try:
             self._place_resize(evs, mark, st, a, dev, old_ptr, old_n, stack)
         except Exception as exc:
@@ -759,9 +751,6 @@ class TorchTracer:
     def _place_resize(self, evs, mark, st, a, dev, old_ptr, old_n, stack) -> None:
         """The events of a storage resize: its new block's allocation (sized), the copy of the old bytes on the
         current stream, then the old block's free."""
-        if self.buffer.events is not evs:
-            evs = self.buffer.events
-            mark = 0
         new_ptr, new_n = st.data_ptr(), st.nbytes()
         inner = evs[mark:]
         del evs[mark:]
@@ -1072,12 +1061,11 @@ class TorchTracer:
         if not grads:
             return
         nargs = len(args)
-        for pos, name, is_write, is_list in plan.tensor_args:
+        for pos, name, is_write, _is_list in plan.tensor_args:
             if is_write:
                 continue
-            v = args[pos] if 0 <= pos < nargs else kwargs.get(name)
-            for t in (v if is_list else (v,)):
-                if isinstance(t, _Tensor) and t.is_cuda and t.layout is _STRIDED:
+            for t in _plain_tensors(args[pos] if 0 <= pos < nargs else kwargs.get(name)):
+                if t.is_cuda and t.layout is _STRIDED:
                     base = t.untyped_storage().data_ptr()
                     if base in grads:
                         evs.append((E.RECORD_STREAM, t.get_device(), base, a, stack))
@@ -1226,13 +1214,11 @@ class TorchTracer:
             self._outputs(plain, writes)
         if a == E.HOST:  # no CUDA tensor among the arguments it reads (zeros_like reads none): its outputs'
             dev = next((t.get_device() for t in plain if t.is_cuda), -1)
-            if dev >= 0:
-                a = self.agent(dev, _cuda_raw_stream(dev))
-            elif reads or writes:  # pinned host memory only
-                evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0))
+            if dev < 0:
+                if reads or writes:  # pinned host memory only
+                    evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0))
                 return out
-            else:
-                return out
+            a = self.agent(dev, _cuda_raw_stream(dev))
         self.saw_cuda = True
         self._place(evs, mark, (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0),
                     plain if plan.fresh_outputs else None, collective=plan.collective)
@@ -1370,9 +1356,6 @@ def _tensors_in(obj, limit: int = 100_000):
             todo.extend(x.values())
         elif isinstance(x, (list, tuple, set, frozenset)):
             todo.extend(x)
-
-
-_OWN_PREFIX = __file__.rsplit("tracers", 1)[0]  # streamsan's own source files
 
 
 def _set_type_attr(cls, attr: str, value) -> bool:

@@ -1,7 +1,10 @@
-"""The autograd engine records a gradient it hands to a consumer on another stream (in C++, unseen): the tracer
-writes those records itself. Gradients are what the engine's backward formulas make (ops it runs without Python
-frames); tensors made elsewhere (an unpack hook, the forward pass) are not recorded. CPU: tensors that say they
-are CUDA tensors stand in for real ones, and the engine's bookkeeping is called as _dispatch calls it."""
+"""What PyTorch does in C++ where a dispatch mode cannot see it, written as events by the tracer.
+
+The autograd engine records a gradient it hands to a consumer on another stream: gradients are what the engine's
+backward formulas make (ops it runs without Python frames); tensors made elsewhere (an unpack hook, the forward
+pass) are not recorded. ``UntypedStorage.resize_`` allocates, copies and frees. CPU: tensors that say they are
+CUDA tensors (and a stand-in storage) take the place of real ones, and the tracer's bookkeeping is called as its
+dispatch calls it."""
 
 import pytest
 
@@ -52,6 +55,13 @@ def test_a_gradient_read_by_a_later_engine_op_is_recorded_on_its_stream(tracer):
         (E.RECORD_STREAM, 0, base(grad), CONSUMER, ENGINE_STACK)]
 
 
+def test_a_gradient_in_a_list_argument_is_recorded(tracer):
+    grad, other = cuda_like(4), cuda_like(4)
+    run(tracer, torch.ops.aten.mul.Tensor, (other, other), grad, ENGINE_STACK)
+    assert run(tracer, torch.ops.aten.cat.default, ([other, grad],), cuda_like(8), ENGINE_STACK) == [
+        (E.RECORD_STREAM, 0, base(grad), CONSUMER, ENGINE_STACK)]
+
+
 def test_what_an_unpack_hook_makes_is_not_recorded(tracer):
     unpacked = cuda_like(4)
     run(tracer, torch.ops.aten.mul.Tensor, (cuda_like(4), cuda_like(4)), unpacked, HOOK_STACK)  # Python frames
@@ -76,3 +86,30 @@ def test_a_freed_gradient_is_forgotten(tracer):
         _GpuTrace.active, tracer.tracing = None, False
     assert tracer._engine_grads == set()
     assert run(tracer, torch.ops.aten.cos.default, (grad,), cuda_like(4), ENGINE_STACK) == []
+
+
+def test_a_storage_resize_allocates_copies_then_frees(tracer, monkeypatch):
+    """FSDP's ``untyped_storage().resize_(n)``: no aten op; the tracer declares the new block (sized), the copy of
+    the old bytes on the current stream, then the old block's free, whatever order the callbacks fired in."""
+    import types
+
+    from streamsan.tracers import torch as tt
+
+    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
+    st = types.SimpleNamespace(device=types.SimpleNamespace(index=0), ptr=0x5000, n=64)
+    st.data_ptr, st.nbytes = (lambda: st.ptr), (lambda: st.n)
+
+    def orig(storage, size):  # the allocator: a new block, then the old one freed, as callbacks report them
+        tracer._on_alloc(0x9000)
+        tracer.buffer.events.append((E.FREE, 0, storage.ptr, 0))
+        storage.ptr, storage.n = 0x9000, size
+
+    tracer.tracing = True
+    mark = len(tracer.buffer.events)
+    tracer._storage_resize(orig, st, 128)
+    a = tracer.agent(0, 0x1000)
+    evs = [ev for ev in tracer.buffer.events[mark:] if ev[0] not in (E.STREAM, E.DEF_STACK)]
+    assert [ev[0] for ev in evs] == [E.ALLOC, E.OP, E.FREE]
+    assert evs[0][1:5] == (0, 0x9000, 128, a) and evs[0][7] == "storage"
+    assert evs[1][1:5] == (a, "UntypedStorage.resize_", ((0, 0x5000, 64),), ((0, 0x9000, 64),))
+    assert evs[2][:3] == (E.FREE, 0, 0x5000)
