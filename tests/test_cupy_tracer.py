@@ -297,3 +297,49 @@ def test_pinned_view_pickles_as_plain_ndarray(tracer):
     host, p, ptr = pinned(t, 4)
     q = pickle.loads(pickle.dumps(p))
     assert type(q) is np.ndarray and q.shape == (4,)
+
+
+class FakeDeviceArray:
+    """What ``_range`` reads of a cupy.ndarray."""
+
+    def __init__(self, ptr, nbytes):
+        self.size = nbytes // 4
+        self.nbytes = nbytes
+        self.data = type("MemoryPointer", (), {"ptr": ptr, "device_id": 0})()
+        self._c_contiguous = True
+
+
+def h2d_set(t, host, side):
+    """``dev.set(host, stream=side)``: an asynchronous copy out of pinned memory."""
+    t._op("cupy.ndarray.set", lambda *a: None, (FakeDeviceArray(0x8000, host.nbytes), host), {}, C._an_set,
+          lambda a, k: side)
+
+
+def test_untraced_refill_of_a_pinned_array_races_with_the_previous_set(tracer):
+    """A plain NumPy array over pinned memory (no PinnedArray: its writes are not traced) refilled before the
+    stream's previous copy out of it is done: found by the bytes that changed, at the next copy."""
+    t, buf, an = tracer
+    host, p, ptr = pinned(t, 64)
+    side = FakeStream(0xAB0, 0)
+    h2d_set(t, host, side)
+    host[3] = 5.0  # untraced
+    h2d_set(t, host, side)
+    buf.flush()
+    fs = an.sorted_findings()
+    assert [(f.kind, f.previous.name, f.current.name, f.lo - ptr, f.hi - ptr) for f in fs] == [
+        ("host-device", "cupy.ndarray.set", C.WRITE_SEEN, 12, 16)]
+
+
+def test_traced_refill_is_reported_once_and_synchronized_refills_are_clean(tracer):
+    t, buf, an = tracer
+    host, p, ptr = pinned(t, 64)
+    side = FakeStream(0xAB0, 0)
+    h2d_set(t, host, side)
+    p[3] = 5.0  # traced (PinnedArray): reported as itself, and forgets the kept bytes
+    h2d_set(t, host, side)
+    t._emit((E.STREAM_SYNC, t._agent(0, 0xAB0), 0))
+    host[3] = 6.0  # untraced, after the host synchronized with the stream
+    h2d_set(t, host, side)
+    buf.flush()
+    assert [(f.kind, f.previous.name, f.current.name) for f in an.sorted_findings()] == [
+        ("host-device", "cupy.ndarray.set", "numpy.ndarray.__setitem__")]

@@ -93,6 +93,7 @@ import types
 from .. import events as E
 from ..agents import StreamRegistry
 from ..stacks import StackTable
+from .staging import WRITE_SEEN, PinnedStaging
 
 _active = None  # the running CupyTracer: every patch routes through it (and passes through when None)
 
@@ -331,6 +332,7 @@ class CupyTracer:
         self.live: dict = {}  # (device, ptr) -> size of pool blocks allocated while tracing
         self._pin_starts: list[int] = []
         self._pin_sizes: dict[int, int] = {}
+        self.staged = PinnedStaging(_np_data)  # pinned NumPy arrays' bytes as asynchronous copies read them
         self._tl = threading.local()
         self._patched: list = []
         self._hooks: list = []
@@ -560,6 +562,8 @@ class CupyTracer:
             if reads or writes or flags:
                 op = (E.OP, agent, name, tuple(reads), tuple(writes), stack, self.ctx, flags)
                 self.saw_cuda = True
+                if writes and self.staged.kept:
+                    self.staged.forget(writes)
         cur = self.buffer.events
         if cur is not evs:  # flushed meanwhile (another tracer): keep what is left in order
             cur.extend(pre)
@@ -587,6 +591,8 @@ class CupyTracer:
             return
         evs = self.buffer.events
         stack = self.stacks.capture(evs, 3)
+        if writes and self.staged.kept:
+            self.staged.forget(writes)
         evs.append((E.OP, E.HOST, name, tuple(reads), tuple(writes), stack, self.ctx, 0))
 
     # ------------------------------------------------------------------ ranges
@@ -727,6 +733,16 @@ class CupyTracer:
                 reads.append(r)
         return reads, [target] if target is not None else [], 0, None
 
+    def _staged_write(self, arr, r, pre) -> None:
+        """An asynchronous copy reads ``r`` out of a pinned NumPy array: the host's writes to it that no traced
+        call showed since the previous such copy from there (:mod:`streamsan.tracers.staging`), as a host write."""
+        root = arr
+        while isinstance(getattr(root, "base", None), self._numpy.ndarray):
+            root = root.base
+        written = self.staged.check(r, _np_data(root), root, arr.itemsize)
+        if written is not None:
+            pre.append((E.OP, E.HOST, WRITE_SEEN, (), (written,), self._cur_stack(), self.ctx, 0))
+
     def _d2h(self, args, kwargs, out, pre):
         """ndarray.get(stream, order, out, blocking) and cupy.asnumpy(a, stream, order, out, blocking=)."""
         a = args[0]
@@ -759,6 +775,7 @@ class CupyTracer:
             r = self._np_range(host, query=True)
             if r is not None:
                 reads.append(r)
+                self._staged_write(host, r, pre)
         return reads, [w] if w is not None else [], 0, None
 
     def _asarray(self, args, kwargs, out, pre):
@@ -780,6 +797,8 @@ class CupyTracer:
                     pre.append((E.OP, E.HOST, "numpy.array", (r,), (), self._cur_stack(), self.ctx, 0))
                 else:
                     reads.append(r)
+                    if not flags:
+                        self._staged_write(obj, r, pre)
         elif hasattr(obj, "__cuda_array_interface__"):
             try:
                 iface = obj.__cuda_array_interface__
@@ -854,6 +873,8 @@ class CupyTracer:
         if not self.running or not ptr or size <= 0:
             return
         self._pin_register(ptr, size)
+        if self.staged.kept:
+            self.staged.forget(((E.PINNED, ptr, size),))
         self.buffer.events.append((E.ALLOC, E.PINNED, ptr, size, E.HOST, self._stack(3), self.ctx,
                                    f"pinned {size} bytes"))
 
@@ -1344,6 +1365,10 @@ def _basic_index(key) -> bool:
 
 def _ndarray_base(nd):
     return nd.__mro__[1] if nd.__flags__ & (1 << 9) else nd
+
+
+def _np_data(arr) -> int:
+    return arr.__array_interface__["data"][0]
 
 
 def _c_strides(shape, itemsize):

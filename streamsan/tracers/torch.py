@@ -34,6 +34,7 @@ from .. import events as E
 from ..agents import StreamRegistry
 from ..findings import ENGINE_FRAME
 from ..stacks import StackTable, is_own_file
+from .staging import WRITE_SEEN, PinnedStaging
 
 _STRIDED = torch.strided
 _Tensor = torch.Tensor
@@ -380,6 +381,7 @@ class TorchTracer:
         self._engine_sids: set[int] = set()
         self._engine_grads: set[int] = set()
         self._views: dict = {}  # id -> (weak reference to a NumPy view of pinned memory, its host read to come)
+        self.staged = PinnedStaging(_storage_base)  # pinned blocks' bytes as asynchronous copies read them
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -899,6 +901,8 @@ class TorchTracer:
         if size == 0:
             return None
         self.pinned[base] = size
+        if self.staged.kept:
+            self.staged.forget(((E.PINNED, base, size),))
         return (E.ALLOC, E.PINNED, base, size, E.HOST, stack, self.ctx, describe(t))
 
     # ------------------------------------------------------------------ dispatch
@@ -934,7 +938,7 @@ class TorchTracer:
         reads = []
         writes = []
         dev = -1
-        cpu = None
+        cpu = cpu_r = None
         cpu_written = False
         rng = self._range_in
         nargs = len(args)
@@ -972,7 +976,7 @@ class TorchTracer:
             elif v.is_cpu:
                 cpu = v
                 cpu_written = is_write
-                r = rng(v, E.PINNED) if self.pinned else None
+                r = cpu_r = rng(v, E.PINNED) if self.pinned else None
             else:
                 continue
             if r is not None:
@@ -988,10 +992,15 @@ class TorchTracer:
         ctx = self.ctx
         mine = None
         single = 0  # the data pointer of a single contiguous CUDA output
+        flags = 0
+        if plan.is_copy and cpu is not None:
+            flags = self._copy_flags(cpu, cpu_written, args, kwargs)
         if dev >= 0:
             a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
             stack = self.stacks.capture(evs, 2)
             mine = self.op_agent = (dev, a, stack, ctx, _get_ident())
+            if cpu_r is not None and not cpu_written and not flags:  # an asynchronous copy out of pinned memory
+                self._staged_write(evs, cpu, cpu_r, stack, ctx)
         mark = len(evs)
         try:
             out = func(*args, **kwargs)
@@ -1007,6 +1016,8 @@ class TorchTracer:
                 if dev < 0:  # a CPU op with CPU outputs
                     if not reads and not writes:
                         return out
+                    if self.staged.kept:
+                        self.staged.forget(writes)
                     evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), self.stacks.capture(evs, 2),
                                 ctx, 0))
                     return out
@@ -1025,9 +1036,8 @@ class TorchTracer:
             else:
                 self._outputs(out, writes)
         self.saw_cuda = True
-        flags = 0
-        if plan.is_copy and cpu is not None:
-            flags = self._copy_flags(cpu, cpu_written, args, kwargs)
+        if self.staged.kept and writes:
+            self.staged.forget(writes)
         op = (_OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
         inner = len(evs) - mark
         if not inner:
@@ -1069,6 +1079,14 @@ class TorchTracer:
                     base = t.untyped_storage().data_ptr()
                     if base in grads:
                         evs.append((E.RECORD_STREAM, t.get_device(), base, a, stack))
+
+    def _staged_write(self, evs, t, r, stack, ctx) -> None:
+        """Before an asynchronous copy out of pinned memory: the host's writes to it that no traced call showed
+        since the block's previous such copy (:mod:`streamsan.tracers.staging`), as a host write."""
+        base = r[1] - t.storage_offset() * t.element_size()
+        written = self.staged.check(r, base, t if t._base is None else t._base, t.element_size())
+        if written is not None:
+            evs.append((E.OP, E.HOST, WRITE_SEEN, (), (written,), stack, ctx, 0))
 
     def _copy_flags(self, cpu, cpu_written, args, kwargs) -> int:
         """OP_BLOCKING for copies the host waits for: into pageable memory (CUDA returns once it is done, even
@@ -1124,6 +1142,8 @@ class TorchTracer:
         """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the barrier
         its kernel waits for (:func:`_kernel_position`), then the op, then everything else (a blocking copy's
         synchronization, the pinned allocator's event record). A collective is moved to the stream it runs on."""
+        if self.staged.kept:
+            self.staged.forget(op[4])
         sizes = self._output_blocks(out)
         if not pre and all(ev[0] == E.ALLOC for ev in evs[mark:]):  # the common case: only allocations
             for i in range(mark, len(evs)):
@@ -1216,6 +1236,8 @@ class TorchTracer:
             dev = next((t.get_device() for t in plain if t.is_cuda), -1)
             if dev < 0:
                 if reads or writes:  # pinned host memory only
+                    if self.staged.kept:
+                        self.staged.forget(writes)
                     evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0))
                 return out
             a = self.agent(dev, _cuda_raw_stream(dev))
@@ -1230,6 +1252,8 @@ class TorchTracer:
         out = func(*args, **kwargs)
         if plan.fresh_outputs:
             self._outputs(out, writes)
+        if self.staged.kept:
+            self.staged.forget(writes)
         evs = self.buffer.events
         evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0))
         if len(evs) >= self.buffer.batch:  # (ops of other threads still running see the new list)
@@ -1315,6 +1339,10 @@ def _kept_alive_for(op) -> list:
     it has completed): modelled as ``record_stream`` on that stream of every device block the op touches."""
     agent, stack = op[1], op[5]
     return [(E.RECORD_STREAM, r[0], r[1], agent, stack) for r in op[3] + op[4] if r[0] >= 0]  # device memory
+
+
+def _storage_base(t) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _maybe_pinned_output(plan, args, kwargs) -> bool:

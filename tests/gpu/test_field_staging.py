@@ -1,0 +1,189 @@
+"""Pinned staging buffers refilled by writes no traced call shows, each as a small buggy program and its fix.
+
+A host buffer in pinned memory is refilled step after step and copied to the GPU asynchronously. The refill goes
+through memory streamsan cannot watch call by call: a NumPy view made when the buffer was (vLLM's ``CpuGpuBuffer.np``),
+``ctypes.memmove`` (a C++ scheduler filling host memory), a plain NumPy array over CuPy's pinned memory. streamsan
+finds such a write by the bytes it changed, at the next copy out of the same place (``streamsan.tracers.staging``),
+and reports it as the host's "write outside traced calls, seen by the next copy". Each buggy program refills the
+buffer while the stream may still be copying the previous step's bytes (the stream is kept busy first, so the
+copy really is pending); its fix synchronizes first, or refills a different buffer.
+
+EXPECTED maps each scenario to its (kind, previous stream role, previous op, current stream role, current op)
+tuples; fixed programs expect ``[]``. Stream roles: "default" (the current stream), "host", and the side streams
+each program names ("h2d").
+"""
+
+import ctypes
+
+import numpy
+import pytest
+import torch
+
+from scenario_kit import scenario_tests, streams
+from streamsan.tracers.staging import WRITE_SEEN
+
+SLOTS = 64
+STEPS = 3
+BUSY = 2_000_000  # GPU cycles of torch.cuda._sleep before each copy: the copy is still pending when the host goes on
+
+
+def _busy():
+    torch.cuda._sleep(BUSY)
+
+
+# ------------------------------------------------------------------ vLLM CpuGpuBuffer, query start locations
+def _query_start_loc_steps(shadows):
+    """vLLM's ``CpuGpuBuffer``: ``cpu`` (pinned), ``np`` (a NumPy view of it, made with it) and ``gpu``;
+    ``copy_to_gpu(n)`` is ``gpu[:n].copy_(cpu[:n], non_blocking=True)``. The model runner writes the step's
+    query start locations through ``np``, copies them and runs the step. ``shadows``: copy out of rotating pinned
+    shadow buffers, each reused only after the event of its previous copy (the double-buffered fix)."""
+    cpu = torch.zeros(SLOTS, dtype=torch.int32, pin_memory=True)
+    np_view = cpu.numpy()
+    gpu = torch.zeros(SLOTS, dtype=torch.int32, device="cuda")
+    ring = [(torch.zeros(SLOTS, dtype=torch.int32, pin_memory=True), torch.cuda.Event()) for _ in range(shadows)]
+    positions = torch.arange(4096, device="cuda")
+    for step in range(STEPS):
+        num_reqs = 4 + step
+        np_view[0] = 0
+        np_view[1:num_reqs + 1] = numpy.cumsum(numpy.arange(1, num_reqs + 1) * (step + 1))
+        _busy()
+        if ring:
+            shadow, done = ring[step % shadows]
+            done.synchronize()  # the copy that last read this shadow is done
+            shadow[:num_reqs + 1].copy_(cpu[:num_reqs + 1])
+            gpu[:num_reqs + 1].copy_(shadow[:num_reqs + 1], non_blocking=True)
+            done.record()
+        else:
+            gpu[:num_reqs + 1].copy_(cpu[:num_reqs + 1], non_blocking=True)
+        positions.index_select(0, gpu[:num_reqs + 1].long()).sum()  # the step's attention metadata
+    torch.cuda.synchronize()
+
+
+def vllm_query_start_loc_refilled_before_copy():
+    """Models vllm-project/vllm-ascend#12071 (the same ``CpuGpuBuffer`` as vLLM's model runner): under asynchronous
+    scheduling the query start locations of the next step were written into ``CpuGpuBuffer.np`` before the
+    non-blocking copy of the previous step had run, so the device read overwritten indices (out-of-bounds logits
+    indices, torn attention metadata)."""
+    _query_start_loc_steps(shadows=0)
+
+
+def vllm_query_start_loc_double_buffered():
+    """The fix of vllm-project/vllm-ascend#12191: copy out of two pinned shadow buffers in turn, each reused only
+    after ``synchronize()`` on the event of its previous copy; ``cpu`` / ``np`` are never read by the stream."""
+    _query_start_loc_steps(shadows=2)
+
+
+def vllm_query_start_loc_snapshot():
+    """The fix of vllm-project/vllm-ascend#12079 (``copy_snapshot_to_gpu``): each step copies out of a fresh pinned
+    clone of the buffer; PyTorch's pinned allocator hands a freed clone's block out again only after its copy."""
+    cpu = torch.zeros(SLOTS, dtype=torch.int32, pin_memory=True)
+    np_view = cpu.numpy()
+    gpu = torch.zeros(SLOTS, dtype=torch.int32, device="cuda")
+    for step in range(STEPS):
+        num_reqs = 4 + step
+        np_view[1:num_reqs + 1] = numpy.cumsum(numpy.arange(1, num_reqs + 1) * (step + 1))
+        _busy()
+        snapshot = cpu[:num_reqs + 1].clone().pin_memory()
+        gpu[:num_reqs + 1].copy_(snapshot, non_blocking=True)
+        del snapshot
+    torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------ an overlapping scheduler's sampling buffer
+def _sampling_steps(fresh_buffer):
+    """A scheduler in native code fills the batch's sampling temperatures in pinned host memory (here
+    ``ctypes.memmove``), launches the copy to the GPU and the forward pass, and goes on to the next batch."""
+    batch = 16
+    host = torch.empty(batch, dtype=torch.float32, pin_memory=True)
+    temps = torch.empty(batch, dtype=torch.float32, device="cuda")
+    logits = torch.randn(batch, 1024, device="cuda")
+    for step in range(STEPS):
+        if fresh_buffer:
+            host = torch.empty(batch, dtype=torch.float32, pin_memory=True)
+        values = numpy.full(batch, 0.5 + step, dtype=numpy.float32)
+        ctypes.memmove(host.data_ptr(), values.ctypes.data, values.nbytes)  # fill host
+        _busy()
+        temps.copy_(host, non_blocking=True)  # h2d launch
+        logits.div(temps[:, None]).softmax(-1)  # fwd launch
+    torch.cuda.synchronize()
+
+
+def tokenspeed_overlap_fill_host_races_h2d():
+    """Models lightseekorg/tokenspeed#376: with the overlapping scheduler, "fill host" for batch N+1 is not fenced
+    by the CUDA stream, so it can run before the H2D copy of batch N has executed (fill host -> h2d launch -> fwd
+    launch -> [fill host] while [h2d exec])."""
+    _sampling_steps(fresh_buffer=False)
+
+
+def tokenspeed_fill_host_fresh_buffer():
+    """The fix of lightseekorg/tokenspeed#376: the host buffer is created for each batch, so each fill writes a
+    buffer no pending copy reads."""
+    _sampling_steps(fresh_buffer=True)
+
+
+# ------------------------------------------------------------------ CuPy: a plain NumPy array over pinned memory
+def _cupy_staging_steps(synchronize):
+    cupy = pytest.importorskip("cupy")
+    if not cupy.cuda.is_available():
+        pytest.skip("needs CuPy with a CUDA GPU")
+    (h2d,) = streams("h2d", make=lambda: cupy.cuda.Stream(non_blocking=True))
+    n = 1 << 12
+    host = numpy.frombuffer(cupy.cuda.alloc_pinned_memory(n * 4), numpy.float32, n)
+    dev = cupy.empty(n, dtype=numpy.float32)
+    for step in range(STEPS):
+        if synchronize:
+            h2d.synchronize()  # the previous step's copy is done
+        host[:] = step  # plain NumPy: not a traced call
+        with h2d:
+            dev.set(host, stream=h2d)
+            dev *= 2
+    h2d.synchronize()
+
+
+def cupy_pinned_array_refilled_during_h2d():
+    """Models the race kmaehashi pointed out in the review of cupy/cupy#5155: ``arr_gpu = cupy.array(arr_cpu)``
+    from pinned memory starts an asynchronous copy, and ``arr_cpu[:] = 0`` right after it "may run during HtoD".
+    Here the pinned array is a plain ``numpy.frombuffer(cupy.cuda.alloc_pinned_memory(...))`` refilled each step
+    before the stream's previous ``set`` out of it is done."""
+    _cupy_staging_steps(synchronize=False)
+
+
+def cupy_pinned_array_refilled_after_sync():
+    """The fix: synchronize the copying stream before refilling the buffer."""
+    _cupy_staging_steps(synchronize=True)
+
+
+SCENARIOS = [
+    vllm_query_start_loc_refilled_before_copy, vllm_query_start_loc_double_buffered, vllm_query_start_loc_snapshot,
+    tokenspeed_overlap_fill_host_races_h2d, tokenspeed_fill_host_fresh_buffer,
+    cupy_pinned_array_refilled_during_h2d, cupy_pinned_array_refilled_after_sync,
+]
+
+EXPECTED = {
+    # one finding (count 2: steps 1 and 2 each found at their copy)
+    "vllm_query_start_loc_refilled_before_copy": [
+        ("host-device", "default", "aten::copy_", "host", WRITE_SEEN),
+    ],
+    "vllm_query_start_loc_double_buffered": [],
+    "vllm_query_start_loc_snapshot": [],
+    "tokenspeed_overlap_fill_host_races_h2d": [
+        ("host-device", "default", "aten::copy_", "host", WRITE_SEEN),
+    ],
+    "tokenspeed_fill_host_fresh_buffer": [],
+    "cupy_pinned_array_refilled_during_h2d": [
+        ("host-device", "h2d", "cupy.ndarray.set", "host", WRITE_SEEN),
+    ],
+    "cupy_pinned_array_refilled_after_sync": [],
+}
+
+
+test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED)
+
+
+def test_the_found_write_names_the_changed_elements(san):
+    """The finding's memory is the elements the refill changed that the previous copy read: at the copy of step 1,
+    entries 1..4 of the 5 that step 0 copied (entry 0 stays 0); found again at step 2."""
+    session, got = san(vllm_query_start_loc_refilled_before_copy)
+    (f,) = session.findings
+    assert f.count == 2
+    assert (f.lo - f.block.start, f.hi - f.lo) == (4, 4 * 4)
