@@ -161,9 +161,12 @@ class _Mode(TorchDispatchMode):
         self.tracer = tracer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.tracer.tracing:
+        tracer = self.tracer
+        if not tracer.tracing and tracer.capture is None:
             return func(*args, **(kwargs or {}))
         try:
+            if not tracer.tracing:
+                return tracer._dispatch_captured(func, types, args, kwargs or {})
             if types:  # tensor subclasses (plain tensors give none)
                 kind = _subclass_kind(types)
                 if kind == _MEMORYLESS:
@@ -365,6 +368,9 @@ class TorchTracer:
         self.saw_cuda = False
         self.running = False
         self.tracing = False  # running, and not inside a CUDA graph capture
+        self.stopped_on_bug = False
+        self.capture = None  # while a CUDA graph is captured: (its reads, its writes, whether tracing was on)
+        self._graph_accesses = weakref.WeakKeyDictionary()  # CUDA graph -> (device, reads, writes) of a replay
         self.in_scope = 1 if scope == "full" else 0  # hooks scope: inside hooked regions (any thread)
         self._modes: list = []
         self._noted: set[str] = set()
@@ -645,6 +651,7 @@ class TorchTracer:
         import logging
 
         self.tracing = False
+        self.stopped_on_bug = True
         logging.getLogger("streamsan").error("internal error while tracing %s", where, exc_info=exc)
         self._note_once("internal", f"streamsan stopped tracing after an internal error at {where} "
                                     f"({type(exc).__name__}: {exc}); findings cover what ran before it")
@@ -776,8 +783,9 @@ class TorchTracer:
                 self.buffer.events.append((E.NOTE, "warning", text))
 
     def _patch_blind_spots(self) -> None:
-        """CUDA graphs, torch.compile and Triton launch work the dispatch mode does not see: say so once, and
-        pause tracing during graph capture (captured ops do not run then)."""
+        """CUDA graphs: ops during capture are recorded into the graph, not run, so their accesses are kept for
+        the graph's replays (:meth:`_replay`). torch.compile and Triton launch work the dispatch mode does not
+        see: say so once."""
         tracer = self
         graphs = getattr(getattr(torch, "cuda", None), "graphs", None)
         cls = getattr(graphs, "CUDAGraph", None) if graphs is not None else None
@@ -785,18 +793,27 @@ class TorchTracer:
             begin, end, replay = (cls.__dict__.get(n) for n in ("capture_begin", "capture_end", "replay"))
 
             def capture_begin(self, *a, **k):
-                tracer._note_once("graph", "CUDA graph capture: the captured work and its replays are not analyzed")
+                tracer._note_once("graph", GRAPH_NOTE)
+                tracer.capture = ([], [], tracer.tracing)
                 tracer.tracing = False
-                return begin(self, *a, **k)
+                try:
+                    return begin(self, *a, **k)
+                except BaseException:
+                    tracer._end_capture(None)
+                    raise
 
             def capture_end(self, *a, **k):
                 try:
                     return end(self, *a, **k)
                 finally:
-                    tracer.tracing = tracer.running
+                    tracer._end_capture(self)
 
             def graph_replay(self, *a, **k):
-                tracer._note_once("graph", "CUDA graph capture: the captured work and its replays are not analyzed")
+                if tracer.tracing and tracer.in_scope:
+                    try:
+                        tracer._replay(self)
+                    except Exception as exc:
+                        tracer._stop_on_bug(exc, "CUDAGraph.replay")
                 return replay(self, *a, **k)
 
             for name, orig, fn in (("capture_begin", begin, capture_begin), ("capture_end", end, capture_end),
@@ -817,6 +834,59 @@ class TorchTracer:
             compile.__doc__ = compile_fn.__doc__
             torch.compile = compile
             self._patched.append((torch, "compile", compile_fn))
+
+    def _end_capture(self, graph) -> None:
+        """A capture ended (``graph`` None: it failed to begin): tracing goes on as before it, and the graph
+        keeps the accesses of its captured ops."""
+        cap, self.capture = self.capture, None
+        if cap is None:
+            return
+        reads, writes, was_tracing = cap
+        self.tracing = was_tracing and self.running and not self.stopped_on_bug
+        dev = next((r[0] for r in writes + reads if r[0] >= 0), -1)
+        if graph is None or dev < 0:
+            return
+        try:
+            self._graph_accesses[graph] = (dev, _merge_ranges(reads), _merge_ranges(writes))
+        except TypeError:  # a graph object without weak references: its replays stay unanalyzed
+            self._note_once("graph-untracked", GRAPH_UNTRACKED)
+
+    def _dispatch_captured(self, func, types, args, kwargs):
+        """An op while a CUDA graph is captured: on CUDA memory it becomes a node of the graph and does not run
+        now, so its accesses are kept for the graph's replays; an op on pinned host memory only runs now, on the
+        host."""
+        if types and _subclass_kind(types) != _PLAIN:
+            return func(*args, **kwargs)
+        plan = self.plans.get(id(func)) or self._plan(func)
+        if plan.pinning_or_copy:
+            self._learn_pinned(plan, args, kwargs)
+        out = func(*args, **kwargs)
+        if plan.skip:
+            return out
+        reads, writes = self._args_ranges(plan, args, kwargs)
+        if plan.fresh_outputs:
+            self._outputs(out, writes)
+        cap = self.capture
+        if cap is not None and any(r[0] >= 0 for r in reads + writes):
+            cap[0].extend(reads)
+            cap[1].extend(writes)
+        elif reads or writes:
+            self._emit((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes),
+                        self.stacks.capture(self.buffer.events, 3), self.ctx, 0))
+        return out
+
+    def _replay(self, graph) -> None:
+        """``graph.replay()``: one op on the replaying stream that accesses all its captured ops accessed (the
+        graph runs as a unit in that stream's order)."""
+        acc = self._graph_accesses.get(graph)
+        if acc is None:
+            self._note_once("graph-untracked", GRAPH_UNTRACKED)
+            return
+        dev, reads, writes = acc
+        a = self.agent(dev, _cuda_raw_stream(dev))
+        self.saw_cuda = True
+        self._emit((E.OP, a, "CUDAGraph.replay", reads, writes, self.stacks.capture(self.buffer.events, 2),
+                    self.ctx, 0))
 
     def _unpatch(self) -> None:
         while self._patched:
@@ -1339,6 +1409,26 @@ def _kept_alive_for(op) -> list:
     it has completed): modelled as ``record_stream`` on that stream of every device block the op touches."""
     agent, stack = op[1], op[5]
     return [(E.RECORD_STREAM, r[0], r[1], agent, stack) for r in op[3] + op[4] if r[0] >= 0]  # device memory
+
+
+GRAPH_NOTE = ("CUDA graphs: a replay is checked as one access, on the stream it runs on, of the memory its "
+              "captured aten ops touch; kernels captured outside aten ops (Triton, native extensions) and races "
+              "inside a graph are not analyzed")
+GRAPH_UNTRACKED = "CUDA graphs: a graph captured while streamsan was not tracing it is replayed unanalyzed"
+
+
+def _merge_ranges(ranges) -> tuple:
+    """Ranges as one op's reads or writes: duplicates dropped, overlapping contiguous ranges of a space merged
+    (ranges of different allocations never overlap), strided ranges kept as they are."""
+    out: list = []
+    for sp, lo, n in sorted({r for r in ranges if len(r) == 3}):
+        if out and out[-1][0] == sp and lo < out[-1][1] + out[-1][2]:
+            _, plo, pn = out[-1]
+            out[-1] = (sp, plo, max(plo + pn, lo + n) - plo)
+        else:
+            out.append((sp, lo, n))
+    out.extend(dict.fromkeys(r for r in ranges if len(r) > 3))
+    return tuple(out)
 
 
 def _storage_base(t) -> int:

@@ -130,13 +130,17 @@ def test_library_training_is_clean(san, scenario):
 
 
 TORCHRUN_PROGRAM = '''
+import os
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
 net = DDP(torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4)).cuda(),
-          device_ids=[0])
+          device_ids=[rank])
 opt = torch.optim.SGD(net.parameters(), lr=0.1)
 x, y = torch.randn(32, 128, device="cuda"), torch.randn(32, 4, device="cuda")
 for _ in range(3):
@@ -148,9 +152,12 @@ dist.destroy_process_group()
 '''
 
 
-def test_wrap_torchrun_ddp_is_clean(tmp_path):
-    """``streamsan wrap -- torchrun ...``: the worker process is traced (from interpreter start), its report merged,
-    and DDP training comes out clean."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_wrap_torchrun_ddp_is_clean(tmp_path, nproc):
+    """``streamsan wrap -- torchrun ...``: each worker process is traced (from interpreter start), their reports
+    merged, and DDP training comes out clean (two workers need two GPUs)."""
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
     import json
     import subprocess
     import sys
@@ -160,11 +167,11 @@ def test_wrap_torchrun_ddp_is_clean(tmp_path):
     report = tmp_path / "r.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     r = subprocess.run([sys.executable, "-m", "streamsan", "wrap", "--report", str(report), "--", sys.executable,
-                        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(prog)],
+                        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(prog)],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "loss" in r.stdout
     rep = json.loads(report.read_text())
     assert rep["races"] == []
     assert rep["complete"] is True
-    assert rep["summary"]["ops"] > 50  # the worker's ops, not only the launcher's
+    assert rep["summary"]["ops"] > 50 * nproc  # the workers' ops, not only the launcher's
