@@ -490,15 +490,15 @@ class Analyzer:
         last = self._last_race
         if last is not None and last[0] is cur and last[1] is prev:
             f = last[2]  # the same pair of ops on another fragment of the range: one occurrence
-            if f.space == space and f.hi == seg.start:
-                f.hi = seg.end
+            if f is not None and f.space == space and f.hi == seg.start:
+                f.hi = seg.end  # (a finding's memory is its first occurrence's)
             return
         lp, lc = self._loc(prev), self._loc(cur)
         fp = fingerprint(kind, lp, lc)
         f = self.findings.get(fp)
         if f is not None:
             f.count += 1
-            self._last_race = (cur, prev, f)
+            self._last_race = (cur, prev, None)
             return
         f = self.findings[fp] = Finding(kind, fp, prev, cur, prev_write, cur_write, space, seg.start, seg.end,
                                         blk, seg.prev_block if old else None, lp, lc)

@@ -921,6 +921,15 @@ def test_one_racing_pair_counts_once_however_the_shadow_is_fragmented(case):
     assert fs[0].count == 1
 
 
+def test_a_findings_memory_is_its_first_occurrence():
+    """A loop's second occurrence touches more bytes, in fragments (its first bytes were written by the first
+    occurrence's op): it is counted, and the finding keeps the first occurrence's range."""
+    evs = base3() + [alloc(PINNED, PIN, 256, HOST),
+                     op(A, "copy_", reads=[P(0, 20)], stack=1), op(HOST, "refill", writes=[P(4, 16)], stack=2),
+                     op(A, "copy_", reads=[P(0, 24)], stack=1), op(HOST, "refill", writes=[P(4, 20)], stack=2)]
+    one(evs, HOST_DEVICE, (A, "copy_"), (HOST, "refill"), PIN + 4, PIN + 20, space=PINNED, count=2)
+
+
 # ============================================================================ retirement
 
 

@@ -67,8 +67,9 @@ instead cause a false report):
   ``Device`` object that CuPy created itself, the count read-backs of ``nonzero``/boolean-mask indexing when they
   do not go through ``ndarray.get``, ``SystemMemory`` / managed-memory host access;
 * host accesses to pinned memory through plain NumPy arrays (``numpy.frombuffer(cupy.cuda.alloc_pinned_memory(n))``,
-  ``np.asarray(p)``, ``p.view(np.ndarray)``, memoryview/buffer protocol, ``torch.from_numpy``) and iteration;
-  accesses through unified/managed memory;
+  ``np.asarray(p)``, ``p.view(np.ndarray)``, memoryview/buffer protocol, ``torch.from_numpy``) and iteration, as
+  they happen: writes are found by the bytes they change at the next asynchronous copy out of the same place
+  (:mod:`streamsan.tracers.staging`), reads not at all; accesses through unified/managed memory;
 * allocations outside the pool hooks (``set_allocator(None)``, ``malloc_async``/``MemoryAsyncPool``, managed
   memory) are accessed but have no lifetime; memory hooks are thread-local: threads started before the session
   are not hooked (threads started after are);

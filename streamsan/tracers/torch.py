@@ -12,10 +12,14 @@ What it watches:
   host memory (CUDA returns only after them: modelled as a host sync),
   pinned allocations (outputs of pinning ops and of non-blocking device-to-host copies), host reads that
   launch no aten op (``Tensor.tolist()``, and ``Tensor.numpy()`` views, read when the array is gone) on pinned
-  memory, ``record_stream`` under ``no_dispatch()`` and ``UntypedStorage.resize_``.
+  memory, ``record_stream`` under ``no_dispatch()`` and ``UntypedStorage.resize_``;
+* CUDA graphs: ops during capture are kept as the graph's accesses, and each ``replay()`` is one op on the
+  replaying stream (:meth:`TorchTracer._replay`);
+* host writes to pinned staging buffers that no traced call shows, by the bytes they change at the next
+  asynchronous copy out of the same place (:mod:`streamsan.tracers.staging`).
 
 It never synchronizes, waits on events, reads device memory or changes streams (DESIGN §5): it reads tensor
-metadata and stream handles only. Events fired inside an op (its allocations, the synchronization of a
+metadata and stream handles, and the bytes of small pinned host buffers that asynchronous copies read. Events fired inside an op (its allocations, the synchronization of a
 blocking copy) are placed around the op's own event so that allocations precede the op and syncs follow it.
 A collective that runs on a communication stream of its own keeps its tensors alive until it has run (modelled as
 ``record_stream`` on that stream).

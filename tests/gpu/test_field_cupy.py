@@ -20,6 +20,7 @@ import torch
 import streamsan
 from scenario_kit import cupy_streams as streams
 from scenario_kit import need_cupy, scenario_tests
+from streamsan.tracers.staging import WRITE_SEEN
 
 cupy, cupyx = need_cupy()
 
@@ -337,8 +338,9 @@ def chainer_async_transfer_without_events():
     ``Conveyor.get(sync=False)`` the compute stream must wait for the transfer stream (``event2``), and a
     double-buffered slot must not be refilled while the compute stream may still read it (``event1``). Without
     the events the training step reads a batch that may still be in transfer, and the transfer of batch N+2
-    overwrites the device slot batch N's step may still read. (The host's refill of the pinned slot races as
-    well, but it writes through a plain NumPy view of ``alloc_pinned_memory``, which streamsan cannot see.)"""
+    overwrites the device slot batch N's step may still read. The host's refill of the pinned slot races as well:
+    it writes through a plain NumPy view of ``alloc_pinned_memory``, which streamsan finds by the bytes it changed
+    when the slot is sent again."""
     _async_transfer_training(with_events=False)
 
 
@@ -442,6 +444,7 @@ EXPECTED = {
     "map_reduce_waits_for_reduce": [],
     "chainer_async_transfer_without_events": [
         ("device-device", "transfer", "cupy.ndarray.set", "default", "cupy.ndarray.__mul__"),  # RAW on the batch
+        ("host-device", "transfer", "cupy.ndarray.set", "host", WRITE_SEEN),  # the refill of the pinned slot
         ("device-device", "default", "cupy.ndarray.__mul__", "transfer", "cupy.ndarray.set"),  # WAR on the slot
     ],
     "chainer_async_transfer_with_events": [],
