@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ def load_tracer(rev: str | None):
     src = src.replace(".is_cuda", ".is_cpu").replace("t.is_cpu and self.pinned", "False")
     src = src.replace("elif v.is_cpu:", "elif False:").replace("get_device()", "get_device() + 1")
     src = src.replace("from .. import", "from streamsan import").replace("from ..", "from streamsan.")
+    src = re.sub(r"^from \.(\w)", r"from streamsan.tracers.\1", src, flags=re.M)
     mod = types.ModuleType("streamsan_standin_tracer")
     mod.__file__ = path  # its frames count as streamsan's own
     exec(compile(src, path, "exec"), mod.__dict__)

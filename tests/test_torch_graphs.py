@@ -43,17 +43,17 @@ def test_merge_ranges_drops_duplicates_and_merges_overlaps_only():
 def test_a_capture_keeps_its_accesses_for_the_replay(traced):
     tracer, analyzer = traced
     g = Graph()
-    tracer.capture = ([(0, 0x1000, 64), (0, 0x1020, 64)], [(0, 0x2000, 64), (E.PINNED, 0x9000, 8)], True)
+    tracer.graphs.current = ([(0, 0x1000, 64), (0, 0x1020, 64)], [(0, 0x2000, 64), (E.PINNED, 0x9000, 8)], True)
     tracer.tracing = False
     tracer._end_capture(g)
-    assert tracer.tracing is True and tracer.capture is None
-    assert tracer._graph_accesses[g] == (0, ((0, 0x1000, 96),), ((E.PINNED, 0x9000, 8), (0, 0x2000, 64)))
+    assert tracer.tracing is True and tracer.graphs.current is None
+    assert tracer.graphs.accesses[g] == (0, ((0, 0x1000, 96),), ((E.PINNED, 0x9000, 8), (0, 0x2000, 64)))
 
 
 def test_a_replay_is_one_op_on_the_current_stream(traced):
     tracer, analyzer = traced
     g = Graph()
-    tracer.capture = ([(0, 0x1000, 64)], [(0, 0x2000, 64)], True)
+    tracer.graphs.current = ([(0, 0x1000, 64)], [(0, 0x2000, 64)], True)
     tracer._end_capture(g)
     other = tracer.agent(0, OTHER)
     tracer.buffer.events.append(E.op(other, "aten::fill_.Scalar", writes=[(0, 0x1000, 64)]))
@@ -76,7 +76,7 @@ def test_a_graph_captured_untraced_is_replayed_with_a_note(traced):
 
 def test_tracing_stopped_by_a_bug_during_capture_stays_stopped(traced):
     tracer, analyzer = traced
-    tracer.capture = ([], [], True)
+    tracer.graphs.current = ([], [], True)
     tracer.tracing = False
     tracer._stop_on_bug(RuntimeError("boom"), "somewhere")
     tracer._end_capture(Graph())
@@ -90,11 +90,11 @@ def test_host_ops_on_pinned_memory_run_now_during_a_capture(traced):
     st = host.untyped_storage()
     tracer.buffer.events.append(E.alloc(E.PINNED, st.data_ptr(), st.nbytes(), E.HOST))
     tracer.pinned[st.data_ptr()] = st.nbytes()
-    tracer.capture = ([], [], True)
+    tracer.graphs.current = ([], [], True)
     tracer.tracing = False
     host.add_(1)
     torch.ones(4).mul_(2)  # pageable: nothing
-    cap = tracer.capture
+    cap = tracer.graphs.current
     tracer._end_capture(None)
     assert cap[:2] == ([], [])
     ops = [(ev[1], ev[2], ev[4]) for ev in tracer.buffer.events if ev[0] == E.OP]

@@ -54,3 +54,18 @@ def test_collectives_write_every_tensor_they_take_and_wait_tensor_is_a_wait():
 def test_list_arguments_are_marked():
     p = OpPlan(aten.cat.default)
     assert [(n, is_list) for _, n, _, is_list in p.tensor_args] == [("tensors", True)]
+
+
+def test_the_tracer_keeps_key_sharing_instance_dicts():
+    """The hot path loads many tracer attributes per op: the instance must stay under CPython's limit for
+    key-sharing dicts (see TorchTracer.__init__), also once started."""
+    from streamsan.sink import EventBuffer
+    from streamsan.tracers.torch import MAX_ATTRIBUTES, TorchTracer
+
+    tracer = TorchTracer(EventBuffer([lambda events: None]))
+    tracer.start()
+    try:
+        assert len(vars(tracer)) < MAX_ATTRIBUTES
+    finally:
+        tracer.stop()
+    assert len(vars(tracer)) < MAX_ATTRIBUTES

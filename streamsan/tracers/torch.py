@@ -165,12 +165,11 @@ class _Mode(TorchDispatchMode):
         self.tracer = tracer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        tracer = self.tracer
-        if not tracer.tracing and tracer.capture is None:
-            return func(*args, **(kwargs or {}))
+        if not self.tracer.tracing:
+            if self.tracer.graphs.current is None:
+                return func(*args, **(kwargs or {}))
+            return self._guarded(self.tracer._dispatch_captured, func, types, args, kwargs or {})
         try:
-            if not tracer.tracing:
-                return tracer._dispatch_captured(func, types, args, kwargs or {})
             if types:  # tensor subclasses (plain tensors give none)
                 kind = _subclass_kind(types)
                 if kind == _MEMORYLESS:
@@ -183,6 +182,17 @@ class _Mode(TorchDispatchMode):
             if ran is None:  # the op's own error: the program sees it as without streamsan
                 raise
             return ran[1] if ran[0] else func(*args, **(kwargs or {}))
+
+    def _guarded(self, handler, func, types, args, kwargs):
+        """``handler(func, types, args, kwargs)`` under the same guard as the dispatch above (which spells it out:
+        it is the hot path)."""
+        try:
+            return handler(func, types, args, kwargs)
+        except Exception as exc:
+            ran = self.tracer._internal_error(exc, func)
+            if ran is None:
+                raise
+            return ran[1] if ran[0] else func(*args, **kwargs)
 
 
 _NO_MEMORY = ("FakeTensor", "FunctionalTensor")
@@ -348,6 +358,19 @@ def _log_callback_error(what: str) -> None:
     logging.getLogger("streamsan").exception("exception in a GPU trace callback for %s", what)
 
 
+MAX_ATTRIBUTES = 30
+
+
+class GraphCaptures:
+    """CUDA graphs' accesses: the capture in progress, and each captured graph's for its replays."""
+
+    __slots__ = ("current", "accesses")
+
+    def __init__(self):
+        self.current = None  # while a graph is captured: (its reads, its writes, whether tracing was on)
+        self.accesses = weakref.WeakKeyDictionary()  # graph -> (device, reads, writes) of each replay
+
+
 class TorchTracer:
     """Feeds events about the torch program into ``buffer`` (a :class:`streamsan.sink.EventBuffer`).
 
@@ -357,6 +380,8 @@ class TorchTracer:
     """
 
     def __init__(self, buffer, streams=None, stacks=None, scope: str = "full"):
+        # Fewer than MAX_ATTRIBUTES instance attributes: past CPython's limit for key-sharing instance dicts every
+        # attribute load of the hot path becomes a dict lookup (1.5% more instructions on bench/standin.py).
         self.buffer = buffer
         self.scope = scope
         self.streams = streams if streams is not None else StreamRegistry(buffer)
@@ -372,9 +397,7 @@ class TorchTracer:
         self.saw_cuda = False
         self.running = False
         self.tracing = False  # running, and not inside a CUDA graph capture
-        self.stopped_on_bug = False
-        self.capture = None  # while a CUDA graph is captured: (its reads, its writes, whether tracing was on)
-        self._graph_accesses = weakref.WeakKeyDictionary()  # CUDA graph -> (device, reads, writes) of a replay
+        self.graphs = GraphCaptures()
         self.in_scope = 1 if scope == "full" else 0  # hooks scope: inside hooked regions (any thread)
         self._modes: list = []
         self._noted: set[str] = set()
@@ -650,12 +673,16 @@ class TorchTracer:
         self._stop_on_bug(exc, str(func))
         return "out" in own.tb_frame.f_locals, own.tb_frame.f_locals.get("out")
 
+    @property
+    def stopped_on_bug(self) -> bool:
+        """Whether tracing stopped for good after a bug of streamsan's own (:meth:`_stop_on_bug`)."""
+        return "internal" in self._noted
+
     def _stop_on_bug(self, exc, where: str) -> None:
         """A bug of streamsan's own surfaced at ``where``: stop tracing, log the traceback, say so in the report."""
         import logging
 
         self.tracing = False
-        self.stopped_on_bug = True
         logging.getLogger("streamsan").error("internal error while tracing %s", where, exc_info=exc)
         self._note_once("internal", f"streamsan stopped tracing after an internal error at {where} "
                                     f"({type(exc).__name__}: {exc}); findings cover what ran before it")
@@ -798,7 +825,7 @@ class TorchTracer:
 
             def capture_begin(self, *a, **k):
                 tracer._note_once("graph", GRAPH_NOTE)
-                tracer.capture = ([], [], tracer.tracing)
+                tracer.graphs.current = ([], [], tracer.tracing)
                 tracer.tracing = False
                 try:
                     return begin(self, *a, **k)
@@ -842,7 +869,8 @@ class TorchTracer:
     def _end_capture(self, graph) -> None:
         """A capture ended (``graph`` None: it failed to begin): tracing goes on as before it, and the graph
         keeps the accesses of its captured ops."""
-        cap, self.capture = self.capture, None
+        graphs = self.graphs
+        cap, graphs.current = graphs.current, None
         if cap is None:
             return
         reads, writes, was_tracing = cap
@@ -851,7 +879,7 @@ class TorchTracer:
         if graph is None or dev < 0:
             return
         try:
-            self._graph_accesses[graph] = (dev, _merge_ranges(reads), _merge_ranges(writes))
+            graphs.accesses[graph] = (dev, _merge_ranges(reads), _merge_ranges(writes))
         except TypeError:  # a graph object without weak references: its replays stay unanalyzed
             self._note_once("graph-untracked", GRAPH_UNTRACKED)
 
@@ -870,7 +898,7 @@ class TorchTracer:
         reads, writes = self._args_ranges(plan, args, kwargs)
         if plan.fresh_outputs:
             self._outputs(out, writes)
-        cap = self.capture
+        cap = self.graphs.current
         if cap is not None and any(r[0] >= 0 for r in reads + writes):
             cap[0].extend(reads)
             cap[1].extend(writes)
@@ -882,7 +910,7 @@ class TorchTracer:
     def _replay(self, graph) -> None:
         """``graph.replay()``: one op on the replaying stream that accesses all its captured ops accessed (the
         graph runs as a unit in that stream's order)."""
-        acc = self._graph_accesses.get(graph)
+        acc = self.graphs.accesses.get(graph)
         if acc is None:
             self._note_once("graph-untracked", GRAPH_UNTRACKED)
             return
@@ -1031,6 +1059,8 @@ class TorchTracer:
                         r = rng(t, dev)
                     elif t.is_cpu and self.pinned:
                         r = rng(t, E.PINNED)
+                        if r is not None and is_write and self.staged.kept:
+                            self.staged.forget((r,))
                     else:
                         continue
                     if r is not None:
@@ -1110,7 +1140,7 @@ class TorchTracer:
             else:
                 self._outputs(out, writes)
         self.saw_cuda = True
-        if self.staged.kept and writes:
+        if cpu_written and self.staged.kept:
             self.staged.forget(writes)
         op = (_OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
         inner = len(evs) - mark
