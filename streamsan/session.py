@@ -126,23 +126,7 @@ class Session:
         tracer.on_note = self._note
         self.tracers["torch"] = tracer
         tracer.start()
-        when_imported("triton", self._note_triton)
-
-    def _note_triton(self, triton_module) -> None:
-        """Triton kernels launched directly run outside aten: say so once, at the first launch."""
-        jit = getattr(getattr(triton_module, "runtime", None), "jit", None)
-        cls = getattr(jit, "JITFunction", None)
-        run = cls.__dict__.get("run") if cls is not None else None
-        if run is None or not self.active:
-            return
-        session = self
-
-        def first_run(self, *a, **k):
-            cls.run = run
-            session._note("Triton kernels launched outside aten ops are not analyzed")
-            return run(self, *a, **k)
-
-        cls.run = first_run
+        when_imported("triton", tracer.patch_triton)
 
     def _attach_cupy(self, cupy_module) -> None:
         if not self.active or "cupy" in self.tracers:

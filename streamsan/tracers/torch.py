@@ -27,6 +27,7 @@ A collective that runs on a communication stream of its own keeps its tensors al
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import weakref
@@ -39,6 +40,7 @@ from ..agents import StreamRegistry
 from ..findings import ENGINE_FRAME
 from ..stacks import StackTable, is_own_file
 from .staging import WRITE_SEEN, PinnedStaging
+from .triton import kernel_writes
 
 _STRIDED = torch.strided
 _Tensor = torch.Tensor
@@ -865,6 +867,58 @@ class TorchTracer:
             compile.__doc__ = compile_fn.__doc__
             torch.compile = compile
             self._patched.append((torch, "compile", compile_fn))
+
+    def patch_triton(self, triton_module) -> None:
+        """Once the program imports Triton: each launch of a ``@triton.jit`` kernel (``JITFunction.run``) is an op
+        on the stream it runs on (:meth:`_triton_launch`)."""
+        jit = getattr(getattr(triton_module, "runtime", None), "jit", None)
+        cls = getattr(jit, "JITFunction", None)
+        orig = cls.__dict__.get("run") if cls is not None else None
+        if orig is None or not self.running:
+            return
+        tracer = self
+
+        def run(kernel, *args, **kwargs):
+            out = orig(kernel, *args, **kwargs)
+            if not kwargs.get("warmup") and (tracer.tracing and tracer.in_scope or tracer.graphs.current is not None):
+                try:
+                    tracer._triton_launch(kernel, args, kwargs)
+                except Exception as exc:
+                    tracer._stop_on_bug(exc, f"triton:{getattr(kernel, '__name__', 'kernel')}")
+            return out
+
+        run.__wrapped__ = orig
+        cls.run = run
+        self._patched.append((cls, "run", orig))
+
+    def _triton_launch(self, kernel, args, kwargs) -> None:
+        """A Triton kernel launched with these arguments: its CUDA tensors (or tensor descriptors' base tensors)
+        are written if its stores reach them (:mod:`streamsan.tracers.triton`), else read."""
+        written = kernel_writes(kernel)
+        reads, writes = [], []
+        dev = -1
+        for name, v in itertools.chain(zip(kernel.arg_names, args), kwargs.items()):
+            t = v if isinstance(v, torch.Tensor) else getattr(v, "base", None)
+            if not isinstance(t, torch.Tensor) or not t.is_cuda or t.layout is not _STRIDED:
+                continue
+            r = self._range_in(t, t.get_device())
+            if r is not None:
+                dev = t.get_device()
+                (writes if written is None or name in written else reads).append(r)
+        if dev < 0:
+            return
+        if written is None:
+            self._note_once("triton-source", "Triton kernels whose source streamsan cannot read count as writing "
+                                             "every tensor argument")
+        cap = self.graphs.current
+        if not self.tracing:
+            if cap is not None:
+                cap[0].extend(reads)
+                cap[1].extend(writes)
+            return
+        self.saw_cuda = True
+        self._emit((E.OP, self.agent(dev, _cuda_raw_stream(dev)), f"triton:{kernel.__name__}", tuple(reads),
+                    tuple(writes), self.stacks.capture(self.buffer.events, 2), self.ctx, 0))
 
     def _end_capture(self, graph) -> None:
         """A capture ended (``graph`` None: it failed to begin): tracing goes on as before it, and the graph
