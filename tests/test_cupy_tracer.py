@@ -343,3 +343,23 @@ def test_traced_refill_is_reported_once_and_synchronized_refills_are_clean(trace
     buf.flush()
     assert [(f.kind, f.previous.name, f.current.name) for f in an.sorted_findings()] == [
         ("host-device", "cupy.ndarray.set", "numpy.ndarray.__setitem__")]
+
+
+def test_calls_on_a_capturing_stream_are_not_run_now(tracer):
+    """During ``Stream.begin_capture`` a call on that stream is a node of the graph: no op, while its allocation
+    (a host-side action) stays; calls on other streams run as usual."""
+    t, buf, an = tracer
+    side = FakeStream(0xCA0, 0)
+    t.capturing.add(t._agent(0, 0xCA0))
+
+    def fn():
+        t._on_malloc(0, 0x6000, 256)
+        return "out"
+
+    def analyze(tr, args, kwargs, out, pre):
+        return [(0, 0x9000, 64)], [(0, 0x6000, 256)], 0, None
+
+    t._op("cupy.captured", fn, (), {}, analyze, lambda a, k: side)
+    t._op("cupy.elsewhere", fn, (), {}, analyze, lambda a, k: FakeStream(0xDD0, 0))
+    assert [(ev[0], ev[2] if ev[0] == E.OP else None) for ev in buf.events if ev[0] in (E.OP, E.ALLOC)] == [
+        (E.ALLOC, None), (E.ALLOC, None), (E.OP, "cupy.elsewhere")]

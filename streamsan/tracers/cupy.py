@@ -334,6 +334,7 @@ class CupyTracer:
         self._pin_starts: list[int] = []
         self._pin_sizes: dict[int, int] = {}
         self.staged = PinnedStaging(_np_data)  # pinned NumPy arrays' bytes as asynchronous copies read them
+        self.capturing: set[int] = set()  # agents of streams capturing a CUDA graph
         self._tl = threading.local()
         self._patched: list = []
         self._hooks: list = []
@@ -548,6 +549,8 @@ class CupyTracer:
         except Exception as e:
             self._trouble(f"{name}: {type(e).__name__}: {e}")
             res = None
+        if self.capturing and agent in self.capturing:
+            res = None  # captured into a graph: it does not run now
         if pre or (res is not None and (res[0] or res[1] or res[2])):
             self._place(evs, mark, agent, name, res, self._cur_stack(), pre)
         tl.stack = 0
@@ -585,6 +588,11 @@ class CupyTracer:
         if op is not None:
             evs.append(op)
         evs.extend(after)
+
+    def _note_once_graph(self) -> None:
+        if GRAPH_NOTE not in self.problems:
+            self.problems.append(GRAPH_NOTE)
+            self.buffer.events.append((E.NOTE, "warning", GRAPH_NOTE))
 
     def _host_op(self, name, reads, writes) -> None:
         """A host access to pinned memory through a NumPy view (ignored inside traced CuPy calls)."""
@@ -909,7 +917,8 @@ class CupyTracer:
                 e = orig(s, event)
                 if t.running:
                     dev, a = t._stream_agent(s)
-                    ev((E.EVENT_RECORD, int(e.ptr), a, t._stack()))
+                    if a not in t.capturing:  # else a node of the graph
+                        ev((E.EVENT_RECORD, int(e.ptr), a, t._stack()))
                 return e
             return functools.wraps(orig)(record)
 
@@ -918,9 +927,28 @@ class CupyTracer:
                 r = orig(s, event)
                 if t.running:
                     dev, a = t._stream_agent(s)
-                    ev((E.EVENT_WAIT, int(event.ptr), a, t._stack()))
+                    if a not in t.capturing:
+                        ev((E.EVENT_WAIT, int(event.ptr), a, t._stack()))
                 return r
             return functools.wraps(orig)(wait_event)
+
+        def m_begin(orig):
+            def begin_capture(s, *args, **kwargs):
+                r = orig(s, *args, **kwargs)
+                if t.running:
+                    t._note_once_graph()
+                    t.capturing.add(t._stream_agent(s)[1])
+                return r
+            return functools.wraps(orig)(begin_capture)
+
+        def m_end(orig):
+            def end_capture(s, *args, **kwargs):
+                try:
+                    return orig(s, *args, **kwargs)
+                finally:
+                    if t.running:
+                        t.capturing.discard(t._stream_agent(s)[1])
+            return functools.wraps(orig)(end_capture)
 
         def m_sdone(orig):
             def done(s):
@@ -946,7 +974,8 @@ class CupyTracer:
                 r = orig(e, stream)
                 if t.running:
                     dev, a = t._stream_agent(stream)
-                    ev((E.EVENT_RECORD, int(e.ptr), a, t._stack()))
+                    if a not in t.capturing:
+                        ev((E.EVENT_RECORD, int(e.ptr), a, t._stack()))
                 return r
             return functools.wraps(orig)(record)
 
@@ -983,6 +1012,10 @@ class CupyTracer:
         wrap(Event, "done", m_edone)
         if "__del__" in vars(Event):
             wrap(Event, "__del__", m_edel)
+        for cls in (Base, Stream):
+            for attr, make in (("begin_capture", m_begin), ("end_capture", m_end)):
+                if attr in vars(cls):
+                    wrap(cls, attr, make)
 
         # cupy.cuda.Device.synchronize: Device is an extension type; a transparent subclass replaces the name.
         Device = cp.cuda.Device
@@ -1366,6 +1399,10 @@ def _basic_index(key) -> bool:
 
 def _ndarray_base(nd):
     return nd.__mro__[1] if nd.__flags__ & (1 << 9) else nd
+
+
+GRAPH_NOTE = ("CuPy CUDA graphs: calls captured into a graph (Stream.begin_capture) and the graph's launches are "
+              "not analyzed")
 
 
 def _np_data(arr) -> int:

@@ -39,6 +39,7 @@ from .. import events as E
 from ..agents import StreamRegistry
 from ..findings import ENGINE_FRAME
 from ..stacks import StackTable, is_own_file
+from .graphs import GraphAccesses
 from .staging import WRITE_SEEN, PinnedStaging
 from .triton import kernel_writes
 
@@ -370,7 +371,7 @@ class GraphCaptures:
 
     def __init__(self):
         self.current = None  # while a graph is captured: (its reads, its writes, whether tracing was on)
-        self.accesses = weakref.WeakKeyDictionary()  # graph -> (device, reads, writes) of each replay
+        self.accesses = GraphAccesses()
 
 
 class TorchTracer:
@@ -932,10 +933,7 @@ class TorchTracer:
         dev = next((r[0] for r in writes + reads if r[0] >= 0), -1)
         if graph is None or dev < 0:
             return
-        try:
-            graphs.accesses[graph] = (dev, _merge_ranges(reads), _merge_ranges(writes))
-        except TypeError:  # a graph object without weak references: its replays stay unanalyzed
-            self._note_once("graph-untracked", GRAPH_UNTRACKED)
+        graphs.accesses.put(graph, dev, reads, writes)
 
     def _dispatch_captured(self, func, types, args, kwargs):
         """An op while a CUDA graph is captured: on CUDA memory it becomes a node of the graph and does not run
@@ -1503,20 +1501,6 @@ GRAPH_NOTE = ("CUDA graphs: a replay is checked as one access, on the stream it 
               "captured aten ops touch; kernels captured outside aten ops (Triton, native extensions) and races "
               "inside a graph are not analyzed")
 GRAPH_UNTRACKED = "CUDA graphs: a graph captured while streamsan was not tracing it is replayed unanalyzed"
-
-
-def _merge_ranges(ranges) -> tuple:
-    """Ranges as one op's reads or writes: duplicates dropped, overlapping contiguous ranges of a space merged
-    (ranges of different allocations never overlap), strided ranges kept as they are."""
-    out: list = []
-    for sp, lo, n in sorted({r for r in ranges if len(r) == 3}):
-        if out and out[-1][0] == sp and lo < out[-1][1] + out[-1][2]:
-            _, plo, pn = out[-1]
-            out[-1] = (sp, plo, max(plo + pn, lo + n) - plo)
-        else:
-            out.append((sp, lo, n))
-    out.extend(dict.fromkeys(r for r in ranges if len(r) > 3))
-    return tuple(out)
 
 
 def _storage_base(t) -> int:
