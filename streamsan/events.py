@@ -45,6 +45,9 @@ PINNED = -1
 # every agent per agent (quadratic in the largest id), so a trace naming agent 60000 would make it build billions
 # of entries: 2048 streams per process is the limit (past it the analysis stops and the report says so).
 MAX_AGENT = 1 << 11
+# The name of a host OP a tracer infers rather than sees: the host rewrote pinned bytes outside any traced call
+# between two asynchronous copies out of them (streamsan.tracers.staging); reports explain it as such.
+UNTRACED_REFILL = "refill outside traced calls"
 
 DEF_STACK = 0
 DEF_CONTEXT = 1

@@ -192,3 +192,21 @@ def test_a_traced_write_is_checked_as_itself_not_again(traced):
     h2d(tracer, host[:8])
     tracer.stop()
     assert [(k, cur[1]) for k, _p, cur, _lo, _hi in findings(analyzer)] == [(HOST_DEVICE, "aten::add_.Tensor")]
+
+
+def test_the_report_explains_a_refill_it_did_not_see_happen():
+    """Replayed from an H200 trace of vLLM's CpuGpuBuffer pattern: the report says the write was inferred and where
+    to synchronize, not that a write happened on the copy's line."""
+    from pathlib import Path
+
+    from streamsan.replay import replay_trace
+
+    report = replay_trace(str(Path(__file__).parent / "fixtures" / "gpu" /
+                              "vllm_query_start_loc_refilled_before_copy.sstrace"))
+    (race,) = report["races"]
+    assert (race["access"]["op"], race["access"]["type"], race["previous_access"]["op"]) == (
+        E.UNTRACED_REFILL, "write", "aten::copy_")
+    assert race["missing_edge"].startswith("The host rewrote bytes that aten::copy_ (read) at ")
+    assert "outside any traced call" in race["missing_edge"]
+    assert race["fix"].startswith("Call `torch.cuda.current_stream().synchronize()`")
+    assert "before the host refills the buffer" in race["fix"]

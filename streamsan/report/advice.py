@@ -8,6 +8,7 @@ placeholder ``<stream 0x...>`` when nothing better is known.
 
 from __future__ import annotations
 
+from ..events import UNTRACED_REFILL
 from ..findings import ALLOC_REUSE, HOST_DEVICE, MISSING_RECORD_STREAM
 
 
@@ -60,6 +61,10 @@ def missing_edge(kind: str, prev: dict, cur: dict, allocation: dict) -> str:
                f"wait for it")
         return (f"The memory was freed and allocated again: {_what(cur)} on {ca} in the new allocation is not "
                 f"ordered after {_what(prev)} on {pa} in the earlier one ({why}).")
+    if kind == HOST_DEVICE and cur["op"] == UNTRACED_REFILL:
+        return (f"The host rewrote bytes that {_what(prev)} reads, enqueued on {pa}, outside any traced call (a "
+                f"NumPy view, ctypes, native code) before the next copy out of them at {cur['location']}, and "
+                f"never synchronized with {pa} in between: the earlier copy may still have been reading them.")
     if kind == HOST_DEVICE and cur["agent"].get("kind") == "host":
         return (f"The host's {_what(cur)} may run while {_what(prev)}, enqueued on {pa}, is still in flight: "
                 f"the host never synchronized with {pa} in between.")
@@ -81,6 +86,10 @@ def fix(kind: str, prev: dict, cur: dict, memory: dict, allocation: dict) -> str
         return (f"Call `{tensor}.record_stream({p})` on the earlier tensor after {prev['op']} at "
                 f"{prev['location']} so that the allocator waits for that stream before reusing its memory, or "
                 f"`{c}.wait_stream({p})` before {cur['op']} at {cur['location']}.")
+    if kind == HOST_DEVICE and cur["op"] == UNTRACED_REFILL:
+        return (f"Call `{p}.synchronize()` (or `.synchronize()` on an event recorded after {prev['op']} at "
+                f"{prev['location']}) before the host refills the buffer, or copy out of a different buffer each "
+                f"step (one event per buffer, synchronized before it is refilled).")
     if kind == HOST_DEVICE and cur["agent"].get("kind") == "host":
         return (f"Call `{p}.synchronize()` (or `.synchronize()` on an event recorded after {prev['op']} at "
                 f"{prev['location']}) before the host {cur['type']} at {cur['location']}.")

@@ -27,9 +27,9 @@ import weakref
 
 from .. import events as E
 
+WRITE_SEEN = E.UNTRACED_REFILL  # the op a found write is reported as
 LIMIT = 256 << 10  # bytes kept per copy
 MAX_BLOCKS = 64  # places kept at once; the oldest are forgotten first
-WRITE_SEEN = "write outside traced calls, seen by the next copy"
 
 
 class PinnedStaging:
