@@ -4,7 +4,7 @@ A host buffer in pinned memory is refilled step after step and copied to the GPU
 through memory streamsan cannot watch call by call: a NumPy view made when the buffer was (vLLM's ``CpuGpuBuffer.np``),
 ``ctypes.memmove`` (a C++ scheduler filling host memory), a plain NumPy array over CuPy's pinned memory. streamsan
 finds such a write by the bytes it changed, at the next copy out of the same place (``streamsan.tracers.staging``),
-and reports it as the host's "write outside traced calls, seen by the next copy". Each buggy program refills the
+and reports it as the host's "refill outside traced calls" at that copy. Each buggy program refills the
 buffer while the stream may still be copying the previous step's bytes (the stream is kept busy first, so the
 copy really is pending); its fix synchronizes first, or refills a different buffer.
 
