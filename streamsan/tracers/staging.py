@@ -71,7 +71,7 @@ class PinnedStaging:
             return written
         kept[start] = (size, ctypes.string_at(start, size), base, ref)
         if len(kept) > MAX_BLOCKS:
-            del kept[next(iter(kept))]
+            kept.pop(next(iter(kept)), None)
         return written
 
     def forget(self, ranges) -> None:
@@ -83,7 +83,7 @@ class PinnedStaging:
             hi = lo + r[2]
             for start, entry in list(self.kept.items()):
                 if start < hi and lo < start + entry[0]:
-                    del self.kept[start]
+                    self.kept.pop(start, None)  # (another thread's copy may have taken it meanwhile)
 
 
 def changed_span(old: bytes, new: bytes) -> tuple[int, int]:
