@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from streamsan import events as E
-from streamsan.tracers.staging import LIMIT, WRITE_SEEN, PinnedStaging, changed_span
+from streamsan.tracers.staging import LIMIT, MAX_BLOCKS, WRITE_SEEN, PinnedStaging, changed_span
 
 
 class Owner:
@@ -92,6 +92,13 @@ def test_an_owner_that_died_or_changed_blocks_forgets_the_bytes():
     o.base += 64  # the owner holds another block now (a storage swapped by set_)
     o.buf[2] = b"x"
     assert s.check((E.PINNED, ctypes.addressof(o.buf), 32), ctypes.addressof(o.buf), o) is None
+
+
+def test_the_oldest_places_are_forgotten_first():
+    s, o = staging(), Owner(8 * (MAX_BLOCKS + 1))
+    for i in range(MAX_BLOCKS + 1):
+        s.check(rng(o, 8 * i, 8 * i + 8), o.base, o)
+    assert len(s.kept) == MAX_BLOCKS and o.base not in s.kept and o.base + 8 in s.kept
 
 
 def test_large_and_strided_copies_are_not_kept():
