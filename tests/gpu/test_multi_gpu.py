@@ -46,3 +46,24 @@ def copy_after_destination_side_stream_write():
 def test_cross_device_copy(san, scenario, expected):
     _, got = san(scenario)
     assert got == expected
+
+
+def data_parallel_training():
+    """nn.DataParallel over both GPUs: replicas broadcast from device 0, run in threads on each device's current
+    stream, outputs gathered back; must come out clean."""
+    model = torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                                      torch.nn.Linear(64, 4)).cuda(0), device_ids=[0, 1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        x, y = torch.randn(32, 64, device="cuda:0"), torch.randn(32, 4, device="cuda:0")
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+
+
+def test_data_parallel_training_is_clean(san):
+    session, got = san(data_parallel_training)
+    assert got == []
+    assert session.analyzer.counts["ops"] > 100

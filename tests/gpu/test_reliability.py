@@ -3,10 +3,12 @@
 import queue
 import threading
 
+import pytest
 import torch
 import torch.cuda._gpu_trace as gpu_trace
 
 import streamsan
+from streamsan.tracers.torch import GRAPH_NOTE
 
 N = 1 << 16
 
@@ -69,8 +71,6 @@ def cuda_graph():
 def test_cuda_graph_replay_after_wait_stream(san):
     """The replay on the current stream, after it waited for the capture stream's warm-up: clean, with the note
     that says how replays are checked."""
-    from streamsan.tracers.torch import GRAPH_NOTE
-
     s, got = san(cuda_graph)
     assert got == []
     assert [text for _, text in s.analyzer.notes] == [GRAPH_NOTE]
@@ -88,6 +88,42 @@ def test_torch_compile_is_reported_as_not_analyzed(san):
     s, got = san(compiled)
     assert got == []
     assert any("torch.compile" in text for _, text in s.analyzer.notes)
+
+
+def compiled_with_cuda_graphs():
+    """torch.compile(mode="reduce-overhead"): inductor's CUDA graph trees copy inputs into static buffers, capture,
+    and replay on the current stream, with one memory pool shared by the graphs."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)).cuda()
+    f = torch.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.full((64, 256), float(i), device="cuda")
+            y = f(x)
+            y.sum().item()
+    torch.cuda.synchronize()
+
+
+def graphed_callables_training():
+    """torch.cuda.make_graphed_callables: forward and backward graphs replayed in a training loop."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sample = torch.randn(32, 128, device="cuda", requires_grad=True)
+    graphed = torch.cuda.make_graphed_callables(model, (sample,))
+    for _ in range(3):
+        x, target = torch.randn(32, 128, device="cuda"), torch.randn(32, 4, device="cuda")
+        loss = torch.nn.functional.mse_loss(graphed(x), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("program", [compiled_with_cuda_graphs, graphed_callables_training],
+                         ids=lambda f: f.__name__)
+def test_cuda_graph_users_are_clean(san, program):
+    s, got = san(program)
+    assert got == []
+    assert GRAPH_NOTE in [text for _, text in s.analyzer.notes]
 
 
 def count_syncs(fn):
