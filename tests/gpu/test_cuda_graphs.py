@@ -189,6 +189,7 @@ def test_cupy_captured_calls_do_not_run_at_capture(san):
         (cap,) = streams("capture", make=lambda: cupy.cuda.Stream(non_blocking=True))
         x = cupy.ones(N, dtype=cupy.float32)
         y = cupy.empty(N, dtype=cupy.float32)
+        cupy.cuda.Device().synchronize()
         with cap:
             cupy.multiply(x, 2.0, out=y)  # warm-up: the kernel is compiled and loaded before the capture
         cupy.cuda.Device().synchronize()
