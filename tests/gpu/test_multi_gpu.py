@@ -64,6 +64,10 @@ def data_parallel_training():
 
 
 def test_data_parallel_training_is_clean(san):
+    """Clean, with the replicas' work on device 1 traced (its ops run in DataParallel's threads and the autograd
+    engine's device threads)."""
     session, got = san(data_parallel_training)
     assert got == []
-    assert session.analyzer.counts["ops"] > 100
+    devices = {a.device for a in session.analyzer.agents.values() if getattr(a, "device", None) is not None}
+    assert {0, 1} <= devices, devices
+    assert session.analyzer.counts["ops"] > 50
