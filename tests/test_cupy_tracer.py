@@ -20,6 +20,7 @@ from streamsan.agents import StreamRegistry  # noqa: E402
 from streamsan.analyzer import Analyzer  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers import cupy as C  # noqa: E402
+from streamsan.tracers import pinned_numpy  # noqa: E402
 
 # A meta-path finder that makes ``import torch`` fail as if torch were not installed.
 BLOCK_TORCH = textwrap.dedent("""
@@ -179,9 +180,12 @@ def bare_tracer():
 
 @pytest.fixture
 def tracer():
+    """A bare tracer made the active one, as ``start()`` does (pinned NumPy views report to it)."""
     t, buf, an = bare_tracer()
     C._active = t
+    pinned_numpy.attach(t)
     yield t, buf, an
+    pinned_numpy.detach(t)
     C._active = None
 
 

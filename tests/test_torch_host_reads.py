@@ -137,3 +137,72 @@ def test_an_op_on_a_wrapper_subclass_accesses_its_inner_tensors(traced):
     base = host.untyped_storage().data_ptr()
     assert finding(analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "aten::mul_.Tensor"), base + 16,
                                   base + 32)]
+
+
+# ------------------------------------------------------------------ views of memory an asynchronous D2H copy wrote
+@pytest.fixture
+def written(traced):
+    """As ``traced``, the tracer knowing that the copy into the pinned tensor was asynchronous (as it learns from a
+    non-blocking device-to-host copy on a GPU)."""
+    tracer, analyzer, host = traced
+    tracer.views.async_written.add(host.untyped_storage().data_ptr())
+    return tracer, analyzer, host
+
+
+def test_such_views_report_each_read_when_it_happens(written):
+    """The view outlives a later synchronization: its read before it is found (reads are seen as they happen)."""
+    from streamsan.tracers.pinned_numpy import pinned_class
+
+    tracer, analyzer, host = written
+    view = host.numpy()
+    assert isinstance(view, pinned_class()) and isinstance(view, np.ndarray)
+    assert float(view[4:8].sum()) == 22.0  # read before the copy is known to be done
+    tracer.buffer.events.append(E.stream_sync(SIDE))
+    assert view.tolist() == list(range(16))  # after it: fine
+    del view
+    tracer.stop()
+    base = host.untyped_storage().data_ptr()
+    assert finding(analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "numpy.add.reduce"), base + 16,
+                                  base + 32)]
+
+
+def test_such_views_read_after_the_synchronization_are_clean(written):
+    tracer, analyzer, host = written
+    view = host.numpy()
+    tracer.buffer.events.append(E.stream_sync(SIDE))
+    assert int(view.argmax()) == 15 and view[3] == 3
+    np.asarray(host).sum()  # a plain array over the view: read when gone, after the synchronization
+    del view
+    tracer.stop()
+    assert finding(analyzer) == []
+
+
+def test_such_views_behave_as_arrays_once_tracing_stops(written):
+    import pickle
+
+    tracer, analyzer, host = written
+    view = host.numpy()
+    tracer.stop()
+    assert type(pickle.loads(pickle.dumps(view))) is np.ndarray
+    assert float((view + 1).sum()) == sum(range(1, 17))
+    assert torch.from_numpy(view).sum().item() == sum(range(16))
+
+
+@pytest.mark.parametrize("read", [
+    lambda v: int(v.argmax()), lambda v: v.argsort()[0], lambda v: list(v), lambda v: repr(v), lambda v: str(v),
+    lambda v: float(v[3, ...]), lambda v: v.take([1, 2]), lambda v: 5 in v, lambda v: f"{v[2:3]}",
+], ids=["argmax", "argsort", "iter", "repr", "str", "float", "take", "contains", "format"])
+def test_methods_without_ufuncs_are_reads_too(written, read):
+    tracer, analyzer, host = written
+    view = host.numpy()
+    read(view)
+    tracer.buffer.events.append(E.stream_sync(SIDE))
+    del view
+    tracer.stop()
+    (got,) = finding(analyzer)
+    assert got[0] == HOST_DEVICE and got[2][1].startswith("numpy.ndarray.")
+
+
+def test_repr_of_such_a_view_is_a_plain_arrays(written):
+    tracer, analyzer, host = written
+    assert repr(host[:3].numpy()) == "array([0., 1., 2.], dtype=float32)"

@@ -94,6 +94,7 @@ import types
 from .. import events as E
 from ..agents import StreamRegistry
 from ..stacks import StackTable
+from .pinned_numpy import attach, basic_index, detach, pinned_class, pinned_types, strided_range
 from .staging import WRITE_SEEN, PinnedStaging
 
 _active = None  # the running CupyTracer: every patch routes through it (and passes through when None)
@@ -231,36 +232,6 @@ def _split_top(s):
     return out
 
 
-# ----------------------------------------------------------------------------------------------- ranges
-def strided_range(space, ptr, shape, strides, itemsize):
-    """The range of a view (strides in bytes, any sign), or None when it is empty."""
-    lo = ptr
-    extent = itemsize
-    n = 1
-    sizes = []
-    st = []
-    exact = True
-    for sz, s in zip(shape, strides):
-        if sz == 0:
-            return None
-        n *= sz
-        if sz == 1:
-            continue
-        if s < 0:
-            lo += (sz - 1) * s
-            s = -s
-        extent += (sz - 1) * s
-        if s % itemsize:
-            exact = False
-        sizes.append(sz)
-        st.append(s // itemsize)
-    if not exact:
-        return (space, lo, extent)
-    if extent == n * itemsize and 0 not in st:
-        return (space, lo, extent)
-    return (space, lo, extent, (itemsize, tuple(sizes), tuple(st)))
-
-
 def describe(a) -> str:
     return f"{a.dtype}{list(a.shape)}"
 
@@ -360,6 +331,7 @@ class CupyTracer:
         self._numpy = numpy
         self.running = True
         _active = self
+        attach(self)
         for step in (self._patch_streams, self._patch_memory, self._patch_ndarray, self._patch_kernels,
                      self._patch_runtime, self._patch_cupy_namespace):
             self._guard(step, cp)
@@ -395,6 +367,7 @@ class CupyTracer:
         self.running = False
         if _active is self:
             _active = None
+        detach(self)
         while self._patched:
             obj, attr, orig, had = self._patched.pop()
             try:
@@ -492,7 +465,7 @@ class CupyTracer:
     def owns(obj) -> bool:
         """Whether an object (stream, array) is CuPy's (or a pinned NumPy view of ours)."""
         mod = type(obj).__module__ or ""
-        return mod.startswith(("cupy", "cupyx", "numpy")) or isinstance(obj, _pinned_types())
+        return mod.startswith(("cupy", "cupyx", "numpy")) or isinstance(obj, pinned_types())
 
     def label(self, array, text: str) -> None:
         if isinstance(array, self._ndarray):
@@ -627,6 +600,15 @@ class CupyTracer:
                 return s, self._pin_sizes[s]
         return None
 
+    def pinned_range(self, arr):
+        """The PINNED range of a NumPy array over pinned memory this tracer knows (:mod:`.pinned_numpy`)."""
+        if not arr.size or self._pin_find(arr.__array_interface__["data"][0]) is None:
+            return None
+        return self._np_range(arr, known=True)
+
+    def host_op(self, name, reads, writes) -> None:
+        self._host_op(name, reads, writes)
+
     def _np_range(self, arr, query=False, known=False):
         """PINNED range of a NumPy array if its memory is pinned (registered, or asked with ``query``)."""
         if arr.size == 0:
@@ -723,7 +705,7 @@ class CupyTracer:
         a, key, value = args[0], args[1], args[2]
         nd = self._ndarray
         reads = []
-        if _basic_index(key):
+        if basic_index(key):
             target = self._range(_ndarray_base(nd).__getitem__(a, key))
         else:
             target = self._range(a)
@@ -1383,20 +1365,6 @@ def _an_asarray(t, args, kwargs, out, pre):
     return t._asarray(args, kwargs, out, pre)
 
 
-def _basic_index(key) -> bool:
-    items = key if isinstance(key, tuple) else (key,)
-    for k in items:
-        if k is None or k is Ellipsis or isinstance(k, slice):
-            continue
-        if isinstance(k, bool):
-            return False
-        if isinstance(k, int) or type(k).__name__ in ("int8", "int16", "int32", "int64", "uint8", "uint16",
-                                                      "uint32", "uint64", "intp", "intc", "longlong"):
-            continue
-        return False
-    return True
-
-
 def _ndarray_base(nd):
     return nd.__mro__[1] if nd.__flags__ & (1 << 9) else nd
 
@@ -1538,196 +1506,6 @@ def _make_hook(cp, tracer):
             tracer._on_free(kw.get("device_id", 0), kw.get("mem_ptr", 0))
 
     return _Hook()
-
-
-# --------------------------------------------------------------------------- pinned NumPy views (host side)
-_PINNED_CLASS = None
-
-# NumPy functions that only look at metadata (no host access), and those whose first argument is written.
-_NP_META = frozenset({
-    "shape", "ndim", "size", "result_type", "can_cast", "may_share_memory", "shares_memory", "iscomplexobj",
-    "isrealobj", "isfortran", "broadcast_to", "broadcast_arrays", "reshape", "ravel", "transpose", "squeeze",
-    "expand_dims", "swapaxes", "moveaxis", "rollaxis", "atleast_1d", "atleast_2d", "atleast_3d", "empty_like",
-    "zeros_like", "ones_like", "full_like", "asarray", "asanyarray", "ascontiguousarray", "asfortranarray",
-    "require", "split", "array_split", "hsplit", "vsplit", "dsplit", "diagonal", "real", "imag", "ndindex",
-})
-_NP_WRITE0 = frozenset({"copyto", "put", "place", "putmask", "fill_diagonal", "put_along_axis", "shuffle"})
-
-
-def _pinned_types():
-    return (_PINNED_CLASS,) if _PINNED_CLASS is not None else ()
-
-
-def pinned_class():
-    """The NumPy subclass used for views of pinned memory made by ``cupyx.*_pinned`` while tracing."""
-    global _PINNED_CLASS
-    if _PINNED_CLASS is not None:
-        return _PINNED_CLASS
-    import numpy
-
-    plain = numpy.ndarray
-
-    def rng(t, a):
-        return t._np_range(a, known=True)
-
-    def unwrap(v, acc, t):
-        if isinstance(v, PinnedArray):
-            if t is not None:
-                r = rng(t, v)
-                if r is not None:
-                    acc.append(r)
-            return v.view(plain)
-        return v
-
-    def rewrap(v, t):
-        if isinstance(v, plain) and not isinstance(v, PinnedArray) and t is not None and v.size:
-            if t._pin_find(v.__array_interface__["data"][0]) is not None:
-                return v.view(PinnedArray)
-        return v
-
-    class PinnedArray(plain):
-        """A NumPy view of pinned (page-locked) memory whose host accesses streamsan sees."""
-
-        def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-            t = _active
-            reads, writes = [], []
-            ins = [unwrap(x, reads, t) for x in inputs]
-            outs = kwargs.get("out")
-            if outs is not None:
-                kwargs["out"] = tuple(unwrap(o, writes, t) for o in outs)
-            if method == "at" and inputs and isinstance(inputs[0], PinnedArray) and t is not None:
-                r = rng(t, inputs[0])
-                if r is not None:
-                    writes.append(r)
-            result = getattr(ufunc, method)(*ins, **kwargs)
-            if t is not None:
-                name = f"numpy.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
-                t._host_op(name, reads, writes)
-            if outs is not None and method != "at":
-                return outs[0] if len(outs) == 1 else outs
-            return result
-
-        def __array_function__(self, func, types_, args, kwargs):
-            t = _active
-            name = getattr(func, "__name__", "function")
-            reads, writes = [], []
-
-            def conv(v):
-                if isinstance(v, (list, tuple)):
-                    return type(v)(unwrap(x, reads, t) for x in v)
-                return unwrap(v, reads, t)
-
-            if name in _NP_WRITE0 and args and isinstance(args[0], PinnedArray) and t is not None:
-                r = rng(t, args[0])
-                if r is not None:
-                    writes.append(r)
-            o = kwargs.get("out")
-            if isinstance(o, PinnedArray) and t is not None:
-                r = rng(t, o)
-                if r is not None:
-                    writes.append(r)
-            nargs = [conv(a) for a in args]
-            nkw = {k: conv(v) for k, v in kwargs.items()}
-            result = func(*nargs, **nkw)
-            if t is not None:
-                if name not in _NP_META:
-                    t._host_op(f"numpy.{name}", reads, writes)
-                if isinstance(result, (list, tuple)):
-                    result = type(result)(rewrap(x, t) for x in result) if isinstance(result, list) else tuple(
-                        rewrap(x, t) for x in result)
-                else:
-                    result = rewrap(result, t)
-            if isinstance(o, PinnedArray) and result is not None and not isinstance(result, PinnedArray):
-                return o
-            return result
-
-        def _access(self, name, write, read=True):
-            t = _active
-            if t is not None:
-                r = rng(t, self)
-                if r is not None:
-                    t._host_op(f"numpy.ndarray.{name}", (r,) if read else (), (r,) if write else ())
-
-        def fill(self, value):
-            plain.fill(self, value)
-            self._access("fill", True, False)
-
-        def sort(self, *args, **kwargs):
-            plain.sort(self, *args, **kwargs)
-            self._access("sort", True)
-
-        def partition(self, *args, **kwargs):
-            plain.partition(self, *args, **kwargs)
-            self._access("partition", True)
-
-        def put(self, *args, **kwargs):
-            plain.put(self, *args, **kwargs)
-            self._access("put", True, False)
-
-        def copy(self, *args, **kwargs):
-            r = plain.copy(self.view(plain), *args, **kwargs)
-            self._access("copy", False)
-            return r
-
-        def astype(self, *args, **kwargs):
-            r = plain.astype(self.view(plain), *args, **kwargs)
-            self._access("astype", False)
-            return r
-
-        def item(self, *args):
-            r = plain.item(self, *args)
-            self._access("item", False)
-            return r
-
-        def tolist(self):
-            r = plain.tolist(self)
-            self._access("tolist", False)
-            return r
-
-        def tobytes(self, *args, **kwargs):
-            r = plain.tobytes(self, *args, **kwargs)
-            self._access("tobytes", False)
-            return r
-
-        def __getitem__(self, key):
-            r = plain.__getitem__(self, key)
-            t = _active
-            if t is None:
-                return r
-            if _basic_index(key):
-                if isinstance(r, plain):
-                    return r  # a view: no access
-                elem = plain.__getitem__(self, (key if isinstance(key, tuple) else (key,)) + (Ellipsis,))
-                rr = rng(t, elem)
-                t._host_op("numpy.ndarray.__getitem__", (rr,) if rr else (), ())
-                return r
-            self._access("__getitem__", False)  # advanced indexing: a copy
-            return r.view(plain) if isinstance(r, PinnedArray) else r
-
-        def __setitem__(self, key, value):
-            plain.__setitem__(self, key, value.view(plain) if isinstance(value, PinnedArray) else value)
-            t = _active
-            if t is None:
-                return
-            reads = []
-            if isinstance(value, PinnedArray):
-                r = rng(t, value)
-                if r is not None:
-                    reads.append(r)
-            if _basic_index(key):
-                target = plain.__getitem__(self, key)
-                if not isinstance(target, plain):
-                    target = plain.__getitem__(self, (key if isinstance(key, tuple) else (key,)) + (Ellipsis,))
-                w = rng(t, target)
-            else:
-                w = rng(t, self)
-            t._host_op("numpy.ndarray.__setitem__", reads, (w,) if w else ())
-
-        def __reduce__(self):
-            return self.view(plain).__reduce__()
-
-    _PINNED_CLASS = PinnedArray
-    return PinnedArray
 
 
 def _pinned_factory(orig):

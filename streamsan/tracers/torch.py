@@ -11,8 +11,9 @@ What it watches:
   (patched, on ``torch.cuda`` and on the generic ``torch.Event`` / ``torch.Stream``), copies into pageable
   host memory (CUDA returns only after them: modelled as a host sync),
   pinned allocations (outputs of pinning ops and of non-blocking device-to-host copies), host reads that
-  launch no aten op (``Tensor.tolist()``, and ``Tensor.numpy()`` views, read when the array is gone) on pinned
-  memory, ``record_stream`` under ``no_dispatch()`` and ``UntypedStorage.resize_``;
+  launch no aten op (``Tensor.tolist()``; ``Tensor.numpy()`` views, read when the array is gone, and over memory
+  an asynchronous device-to-host copy writes also read as they read, :mod:`.pinned_numpy`) on pinned memory,
+  ``record_stream`` under ``no_dispatch()`` and ``UntypedStorage.resize_``;
 * CUDA graphs: ops during capture are kept as the graph's accesses, and each ``replay()`` is one op on the
   replaying stream (:meth:`TorchTracer._replay`);
 * host writes to pinned staging buffers that no traced call shows, by the bytes they change at the next
@@ -40,6 +41,7 @@ from ..agents import StreamRegistry
 from ..findings import ENGINE_FRAME
 from ..stacks import StackTable, is_own_file
 from .graphs import GraphAccesses
+from .pinned_numpy import attach, detach, pinned_class, strided_range
 from .staging import WRITE_SEEN, PinnedStaging
 from .triton import kernel_writes
 
@@ -364,6 +366,17 @@ def _log_callback_error(what: str) -> None:
 MAX_ATTRIBUTES = 30
 
 
+class HostViews:
+    """NumPy views of pinned memory: those still open (``t.numpy()`` views, read when gone), and the pinned blocks
+    an asynchronous device-to-host copy wrote (their views are :mod:`.pinned_numpy` views)."""
+
+    __slots__ = ("opened", "async_written")
+
+    def __init__(self):
+        self.opened: dict = {}  # id -> (weak reference to a view, its host read to come)
+        self.async_written: set[int] = set()  # base pointers
+
+
 class GraphCaptures:
     """CUDA graphs' accesses: the capture in progress, and each captured graph's for its replays."""
 
@@ -416,7 +429,7 @@ class TorchTracer:
         self._engine_threads: set[int] = set()
         self._engine_sids: set[int] = set()
         self._engine_grads: set[int] = set()
-        self._views: dict = {}  # id -> (weak reference to a NumPy view of pinned memory, its host read to come)
+        self.views = HostViews()
         self.staged = PinnedStaging(_storage_base)  # pinned blocks' bytes as asynchronous copies read them
 
     # ------------------------------------------------------------------ lifecycle
@@ -428,6 +441,7 @@ class TorchTracer:
         _GpuTrace.active = self
         self.running = self.tracing = True
         self._patch()
+        attach(self)
         if self.scope == "full":
             self._enter_mode()
             threading.setprofile(self._thread_start)
@@ -435,8 +449,10 @@ class TorchTracer:
     def stop(self) -> None:
         if not self.running:
             return
-        while self._views:  # NumPy views still alive are read at the latest now
-            self.buffer.events.append(self._views.popitem()[1][1])
+        opened = self.views.opened
+        while opened:  # NumPy views still alive are read at the latest now
+            self.buffer.events.append(opened.popitem()[1][1])
+        detach(self)
         self.running = self.tracing = False
         threading.setprofile(None)
         while self._modes:
@@ -623,7 +639,7 @@ class TorchTracer:
                     if tracer.pinned and tracer.tracing and self.is_cpu:
                         try:
                             if name == "Tensor.numpy":
-                                tracer._open_view(self, out)
+                                out = tracer._open_view(self, out)
                             else:
                                 tracer._host_read(self, name)
                         except Exception as exc:
@@ -703,22 +719,46 @@ class TorchTracer:
         self._engine_sids.add(sid)
         return sid
 
-    def _open_view(self, t, array) -> None:
+    def _open_view(self, t, array):
+        """``t.numpy()`` made ``array``: the array to hand out. Over memory an asynchronous device-to-host copy
+        wrote, a :mod:`.pinned_numpy` view, whose reads are seen when they happen; every view is also read, at
+        the latest, when it is gone (views made by ``np.asarray(t)`` are plain arrays over it)."""
         r = self._range_in(t, E.PINNED)
         if r is None:
-            return
+            return array
+        if t.untyped_storage().data_ptr() in self.views.async_written:
+            array = array.view(pinned_class())
         read = (E.OP, E.HOST, "Tensor.numpy", (r,), (), self.stacks.capture(self.buffer.events, 2), self.ctx, 0)
         try:
             ref = weakref.ref(array, self._close_view)
         except TypeError:  # not an ndarray after all: read now
             self._emit(read)
-            return
-        self._views[id(ref)] = (ref, read)  # the reference lives as long as its entry (arrays are unhashable)
+            return array
+        self.views.opened[id(ref)] = (ref, read)  # the reference lives as long as its entry (arrays are unhashable)
+        return array
 
     def _close_view(self, ref) -> None:
-        entry = self._views.pop(id(ref), None)
+        entry = self.views.opened.pop(id(ref), None)
         if entry is not None and self.running:
             self._emit(entry[1])
+
+    def pinned_range(self, arr):
+        """The PINNED range of a NumPy array over a pinned block this tracer knows (:mod:`.pinned_numpy`)."""
+        if not arr.size:
+            return None
+        ptr = arr.__array_interface__["data"][0]
+        for base, size in self.pinned.items():
+            if base <= ptr < base + size:
+                return strided_range(E.PINNED, ptr, arr.shape, arr.strides, arr.itemsize)
+        return None
+
+    def host_op(self, name, reads, writes) -> None:
+        """A host access through a :mod:`.pinned_numpy` view, when it happens."""
+        if self.tracing and self.in_scope and (reads or writes):
+            if writes and self.staged.kept:
+                self.staged.forget(writes)
+            self._emit((E.OP, E.HOST, name, tuple(reads), tuple(writes), self.stacks.capture(self.buffer.events, 2),
+                        self.ctx, 0))
 
     def _patch_backward(self) -> None:
         """Remember where ``backward()`` / ``torch.autograd.grad()`` is called, for the stacks of the backward ops
@@ -1055,6 +1095,7 @@ class TorchTracer:
         if size == 0:
             return None
         self.pinned[base] = size
+        self.views.async_written.discard(base)
         if self.staged.kept:
             self.staged.forget(((E.PINNED, base, size),))
         return (E.ALLOC, E.PINNED, base, size, E.HOST, stack, self.ctx, describe(t))
@@ -1192,8 +1233,11 @@ class TorchTracer:
             else:
                 self._outputs(out, writes)
         self.saw_cuda = True
-        if cpu_written and self.staged.kept:
-            self.staged.forget(writes)
+        if cpu_written:
+            if self.staged.kept:
+                self.staged.forget(writes)
+            if not flags and cpu_r is not None:  # an asynchronous copy into pinned memory
+                self.views.async_written.add(cpu.untyped_storage().data_ptr())
         op = (_OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
         inner = len(evs) - mark
         if not inner:
@@ -1435,6 +1479,8 @@ class TorchTracer:
                 ev = self._register_pinned(t, stack)
                 if ev is not None:
                     pre.append(ev)
+                    if dev >= 0:  # filled by an asynchronous device-to-host copy
+                        self.views.async_written.add(ev[2])
         evs = self.buffer.events
         if plan.skip:  # empty(..., pin_memory=True): a new block, no access
             evs.extend(pre)

@@ -1,4 +1,4 @@
-"""Pinned staging buffers refilled by writes no traced call shows, each as a small buggy program and its fix.
+"""Pinned host buffers accessed where no traced call shows it, each as a small buggy program and its fix.
 
 A host buffer in pinned memory is refilled step after step and copied to the GPU asynchronously. The refill goes
 through memory streamsan cannot watch call by call: a NumPy view made when the buffer was (vLLM's ``CpuGpuBuffer.np``),
@@ -6,7 +6,9 @@ through memory streamsan cannot watch call by call: a NumPy view made when the b
 finds such a write by the bytes it changed, at the next copy out of the same place (``streamsan.tracers.staging``),
 and reports it as the host's "refill outside traced calls" at that copy. Each buggy program refills the
 buffer while the stream may still be copying the previous step's bytes (the stream is kept busy first, so the
-copy really is pending); its fix synchronizes first, or refills a different buffer.
+copy really is pending); its fix synchronizes first, or refills a different buffer. The last pair reads a
+device-to-host result through a NumPy view that outlives a later synchronization: views of memory an asynchronous
+copy writes report each read when it happens.
 
 EXPECTED maps each scenario to its (kind, previous stream role, previous op, current stream role, current op)
 tuples; fixed programs expect ``[]``. Stream roles: "default" (the current stream), "host", and the side streams
@@ -153,10 +155,38 @@ def cupy_pinned_array_refilled_after_sync():
     _cupy_staging_steps(synchronize=True)
 
 
+# ------------------------------------------------------------------ a NumPy view of a pending D2H result
+def _host_reads_result(synchronize):
+    logits = torch.randn(SLOTS * 64, device="cuda")
+    _busy()
+    host = logits.to("cpu", non_blocking=True)  # pinned, filled by the stream later
+    probs = host.numpy()
+    if synchronize:
+        torch.cuda.current_stream().synchronize()
+    token = int(probs.argmax())  # the host reads the result
+    torch.cuda.synchronize()  # (the view is still alive here)
+    del probs
+    return token
+
+
+def deepspeed_reads_async_copy_result_early():
+    """Models the question raised in the review of deepspeedai/DeepSpeed#501 about a value copied to the host with
+    ``non_blocking=True``: "can we guarantee that the value ... is the value of async_buff after the copy_ and not
+    before?" Here the host takes the argmax through a NumPy view of the pinned result before synchronizing; the
+    view is still alive at the later ``torch.cuda.synchronize()``."""
+    _host_reads_result(synchronize=False)
+
+
+def deepspeed_reads_async_copy_result_after_sync():
+    """The fix: synchronize the stream before the host reads the copied result."""
+    _host_reads_result(synchronize=True)
+
+
 SCENARIOS = [
     vllm_query_start_loc_refilled_before_copy, vllm_query_start_loc_double_buffered, vllm_query_start_loc_snapshot,
     tokenspeed_overlap_fill_host_races_h2d, tokenspeed_fill_host_fresh_buffer,
     cupy_pinned_array_refilled_during_h2d, cupy_pinned_array_refilled_after_sync,
+    deepspeed_reads_async_copy_result_early, deepspeed_reads_async_copy_result_after_sync,
 ]
 
 EXPECTED = {
@@ -174,6 +204,10 @@ EXPECTED = {
         ("host-device", "h2d", "cupy.ndarray.set", "host", WRITE_SEEN),
     ],
     "cupy_pinned_array_refilled_after_sync": [],
+    "deepspeed_reads_async_copy_result_early": [
+        ("host-device", "default", "aten::_to_copy", "host", "numpy.ndarray.argmax"),
+    ],
+    "deepspeed_reads_async_copy_result_after_sync": [],
 }
 
 
