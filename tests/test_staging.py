@@ -133,6 +133,7 @@ from streamsan.analyzer import Analyzer  # noqa: E402
 from streamsan.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from torch_kit import pin  # noqa: E402
 
 SIDE = 1
 
@@ -144,9 +145,8 @@ def traced():
     tracer = TorchTracer(EventBuffer([analyzer.feed]))
     host = torch.zeros(16, dtype=torch.int32)
     view = host.numpy()
-    st_ = host.untyped_storage()
-    tracer.buffer.events += [E.stream(SIDE, 0, 0x1000), E.alloc(E.PINNED, st_.data_ptr(), st_.nbytes(), E.HOST)]
-    tracer.pinned[st_.data_ptr()] = st_.nbytes()
+    tracer.buffer.events.append(E.stream(SIDE, 0, 0x1000))
+    pin(tracer, host)
     tracer.start()
     try:
         yield tracer, analyzer, host, view

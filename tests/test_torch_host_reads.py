@@ -12,6 +12,7 @@ from streamsan.analyzer import Analyzer  # noqa: E402
 from streamsan.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from torch_kit import pin  # noqa: E402
 
 SIDE = 1
 
@@ -23,11 +24,9 @@ def traced():
     tracer = TorchTracer(EventBuffer([analyzer.feed]))
     host = torch.arange(16, dtype=torch.float32)
     st = host.untyped_storage()
-    base, size = st.data_ptr(), st.nbytes()
-    tracer.buffer.events += [E.stream(SIDE, 0, 0x1000),
-                             E.alloc(E.PINNED, base, size, E.HOST, what="float32[16]"),
-                             E.op(SIDE, "aten::copy_", writes=[E.rng(E.PINNED, base, size)])]
-    tracer.pinned[base] = size
+    tracer.buffer.events.append(E.stream(SIDE, 0, 0x1000))
+    pin(tracer, host, what="float32[16]")
+    tracer.buffer.events.append(E.op(SIDE, "aten::copy_", writes=[E.rng(E.PINNED, st.data_ptr(), st.nbytes())]))
     tracer.start()
     try:
         yield tracer, analyzer, host

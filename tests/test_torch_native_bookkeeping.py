@@ -13,21 +13,11 @@ torch = pytest.importorskip("torch")
 from streamsan import events as E  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from torch_kit import cuda_like  # noqa: E402
 
 ENGINE_STACK, HOOK_STACK, CONSUMER = 7, 8, 3
 
 
-class OnCuda(torch.Tensor):
-    @property
-    def is_cuda(self):
-        return True
-
-    def get_device(self):
-        return 0
-
-
-def cuda_like(n):
-    return torch.zeros(n).as_subclass(OnCuda)
 
 
 def base(t):

@@ -114,21 +114,7 @@ torch = pytest.importorskip("torch")
 from streamsan import events as E  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers import torch as T  # noqa: E402
-
-
-class CudaLike(torch.Tensor):
-    """A CPU tensor that says it is on CUDA device 0: what the launch patch reads of a tensor."""
-
-    @property
-    def is_cuda(self):
-        return True
-
-    def get_device(self):
-        return 0
-
-
-def cuda_like(n):
-    return torch.Tensor._make_subclass(CudaLike, torch.zeros(n))
+from torch_kit import cuda_like  # noqa: E402
 
 
 def fake_triton():
