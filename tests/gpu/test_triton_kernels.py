@@ -178,3 +178,42 @@ EXPECTED = {
 
 
 test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED)
+
+
+# ------------------------------------------------------------------ kernels of torch.compile'd code (inductor)
+def _compiled_on_side_stream(waits_for_input, waits_for_output):
+    (side,) = streams("side")
+    f = torch.compile(lambda a: (a * 2).sin() + 1)  # one fused pointwise Triton kernel
+    f(torch.ones(N, device="cuda"))  # compiled (and autotuned) before the race
+    x = torch.empty(N, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(BUSY)
+    x.fill_(1.0)
+    with torch.cuda.stream(side):
+        if waits_for_input:
+            side.wait_stream(torch.cuda.default_stream())
+        y = f(x)
+    if waits_for_output:
+        torch.cuda.current_stream().wait_stream(side)
+    y.sum()
+    torch.cuda.synchronize()
+
+
+def _summary(got):
+    return [(k, p, po if not po.startswith("triton:") else "triton:*", c, co if not co.startswith("triton:")
+             else "triton:*") for k, p, po, c, co in got]
+
+
+def test_a_compiled_kernel_reading_an_unfinished_input_races(san):
+    _, got = san(_compiled_on_side_stream, False, True)
+    assert _summary(got) == [("device-device", "default", "aten::fill_.Scalar", "side", "triton:*")], got
+
+
+def test_a_compiled_kernels_output_used_without_waiting_races(san):
+    _, got = san(_compiled_on_side_stream, True, False)
+    assert _summary(got) == [("device-device", "side", "triton:*", "default", "aten::sum")], got
+
+
+def test_a_compiled_kernel_properly_ordered_is_clean(san):
+    _, got = san(_compiled_on_side_stream, True, True)
+    assert got == []
