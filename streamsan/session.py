@@ -127,7 +127,6 @@ class Session:
         self.tracers["torch"] = tracer
         tracer.start()
         when_imported("triton", tracer.patch_triton)
-        when_imported("torch._inductor.runtime.triton_heuristics", tracer.patch_inductor)
 
     def _attach_cupy(self, cupy_module) -> None:
         if not self.active or "cupy" in self.tracers:

@@ -190,35 +190,3 @@ def test_a_kernel_without_source_writes_every_tensor_with_a_note(tracer):
     (op,) = [ev for ev in tracer.buffer.events if ev[0] == E.OP]
     assert op[3] == () and len(op[4]) == 2
     assert any("cannot read" in ev[2] for ev in tracer.buffer.events if ev[0] == E.NOTE)
-
-
-def test_a_compiled_graphs_kernel_is_an_op_on_the_stream_inductor_passes(tracer):
-    """torch.compile's inductor launches its Triton kernels through ``CachingAutotuner.run(*args, stream=...)``."""
-    launches = []
-
-    class CachingAutotuner:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def run(self, *args, stream, benchmark_run=False, **kwargs):
-            launches.append((self.fn.__name__, stream, benchmark_run))
-
-    heuristics = type("triton_heuristics", (), {"CachingAutotuner": CachingAutotuner})
-    orig = CachingAutotuner.run
-    tracer.patch_inductor(heuristics)
-    fn = Kernel("""
-        def triton_poi_fused_add_0(in_out_ptr0, in_ptr0, xnumel, XBLOCK: tl.constexpr):
-            xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)
-            tmp0 = tl.load(in_out_ptr0 + xindex)
-            tl.store(in_out_ptr0 + xindex, tmp0 + tl.load(in_ptr0 + xindex))
-    """)
-    buf, x = cuda_like(8), cuda_like(8)
-    CachingAutotuner(fn).run(buf, x, 8, stream=0xABC)
-    CachingAutotuner(fn).run(buf, x, 8, stream=0xABC, benchmark_run=True)  # timing runs: not the program's work
-    ops = [ev for ev in tracer.buffer.events if ev[0] == E.OP]
-    assert [(ev[1], ev[2], ev[3], ev[4]) for ev in ops] == [
-        (tracer.agent(0, 0xABC), "triton:triton_poi_fused_add_0", ((0, x.data_ptr(), 32),),
-         ((0, buf.data_ptr(), 32),))]
-    assert launches == [("triton_poi_fused_add_0", 0xABC, False), ("triton_poi_fused_add_0", 0xABC, True)]
-    tracer.stop()
-    assert CachingAutotuner.run is orig

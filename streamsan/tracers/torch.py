@@ -899,9 +899,7 @@ class TorchTracer:
         compile_fn = getattr(torch, "compile", None)
         if compile_fn is not None:
             def compile(*a, **k):
-                tracer._note_once("compile", "torch.compile: inductor's Triton kernels are checked as they are "
-                                             "launched, their writes read from their source; kernels of other "
-                                             "backends are not analyzed")
+                tracer._note_once("compile", COMPILE_NOTE)
                 _dynamo_safe()
                 return compile_fn(*a, **k)
 
@@ -933,33 +931,9 @@ class TorchTracer:
         cls.run = run
         self._patched.append((cls, "run", orig))
 
-    def patch_inductor(self, heuristics) -> None:
-        """Once torch.compile's inductor loads its Triton runtime: each launch of a compiled graph's kernel
-        (``CachingAutotuner.run``, on the stream inductor passes) is an op, like a Triton launch from Python."""
-        cls = getattr(heuristics, "CachingAutotuner", None)
-        orig = cls.__dict__.get("run") if cls is not None else None
-        if orig is None or not self.running:
-            return
-        tracer = self
-
-        def run(autotuner, *args, **kwargs):
-            out = orig(autotuner, *args, **kwargs)
-            if not kwargs.get("benchmark_run") and (tracer.tracing and tracer.in_scope
-                                                    or tracer.graphs.current is not None):
-                try:
-                    tracer._triton_launch(autotuner.fn, args, {}, kwargs.get("stream"))
-                except Exception as exc:
-                    tracer._stop_on_bug(exc, f"triton:{getattr(autotuner.fn, '__name__', 'kernel')}")
-            return out
-
-        run.__wrapped__ = orig
-        cls.run = run
-        self._patched.append((cls, "run", orig))
-
-    def _triton_launch(self, kernel, args, kwargs, stream=None) -> None:
-        """A Triton kernel launched with these arguments, on ``stream`` (a raw handle; None: the current stream):
-        its CUDA tensors (or tensor descriptors' base tensors) are written if its stores reach them
-        (:mod:`streamsan.tracers.triton`), else read."""
+    def _triton_launch(self, kernel, args, kwargs) -> None:
+        """A Triton kernel launched with these arguments: its CUDA tensors (or tensor descriptors' base tensors)
+        are written if its stores reach them (:mod:`streamsan.tracers.triton`), else read."""
         written = kernel_writes(kernel)
         reads, writes = [], []
         dev = -1
@@ -983,9 +957,8 @@ class TorchTracer:
                 cap[1].extend(writes)
             return
         self.saw_cuda = True
-        handle = _cuda_raw_stream(dev) if stream is None else int(stream)
-        self._emit((E.OP, self.agent(dev, handle), f"triton:{kernel.__name__}", tuple(reads), tuple(writes),
-                    self.stacks.capture(self.buffer.events, 2), self.ctx, 0))
+        self._emit((E.OP, self.agent(dev, _cuda_raw_stream(dev)), f"triton:{kernel.__name__}", tuple(reads),
+                    tuple(writes), self.stacks.capture(self.buffer.events, 2), self.ctx, 0))
 
     def _end_capture(self, graph) -> None:
         """A capture ended (``graph`` None: it failed to begin): tracing goes on as before it, and the graph
@@ -1569,6 +1542,8 @@ def _kept_alive_for(op) -> list:
     return [(E.RECORD_STREAM, r[0], r[1], agent, stack) for r in op[3] + op[4] if r[0] >= 0]  # device memory
 
 
+COMPILE_NOTE = ("torch.compile: compiled functions run eagerly while streamsan's dispatch mode is active (Dynamo "
+                "does not compile under one), so their ops are checked one by one; the program's speed differs")
 GRAPH_NOTE = ("CUDA graphs: a replay is checked as one access, on the stream it runs on, of the memory its "
               "captured aten ops touch; kernels captured outside aten ops (Triton, native extensions) and races "
               "inside a graph are not analyzed")
