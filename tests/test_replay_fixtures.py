@@ -2,10 +2,10 @@
 
 ``expected.json`` / ``expected_cupy.json``: the scenarios of tests/gpu/test_{torch,cupy}_scenarios.py;
 ``expected_more.json``: NCCL collectives (test_collectives.py), copies between two GPUs (test_multi_gpu.py), loader
-threads and a CUDA graph (test_reliability.py), Triton kernels (test_triton_kernels.py); ``expected_field.json``: real projects' stream bugs and their fixes
-(test_field_training.py, test_field_inference.py, test_field_more.py, test_field_cupy.py, test_field_staging.py,
-test_cuda_graphs.py), backward passes on
-streams (test_autograd_streams.py) and training steps of DDP, FSDP (both APIs), tensor parallelism, activation
+threads and a CUDA graph (test_reliability.py), Triton kernels (test_triton_kernels.py); ``expected_field.json``:
+real projects' stream bugs and their fixes (test_field_training.py, test_field_inference.py, test_field_more.py,
+test_field_cupy.py, test_field_staging.py, test_cuda_graphs.py), backward passes on streams
+(test_autograd_streams.py) and training steps of DDP, FSDP (both APIs), tensor parallelism, activation
 checkpointing and AMP (test_parallel_libs.py: all clean).
 
 The traces are real PyTorch programs (torch 2.11, CUDA 13); CI has no GPU, so this is how it checks the whole

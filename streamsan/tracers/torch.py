@@ -20,8 +20,9 @@ What it watches:
   asynchronous copy out of the same place (:mod:`streamsan.tracers.staging`).
 
 It never synchronizes, waits on events, reads device memory or changes streams (DESIGN §5): it reads tensor
-metadata and stream handles, and the bytes of small pinned host buffers that asynchronous copies read. Events fired inside an op (its allocations, the synchronization of a
-blocking copy) are placed around the op's own event so that allocations precede the op and syncs follow it.
+metadata and stream handles, and the bytes of small pinned host buffers that asynchronous copies read. Events
+fired inside an op (its allocations, the synchronization of a blocking copy) are placed around the op's own event
+so that allocations precede the op and syncs follow it.
 A collective that runs on a communication stream of its own keeps its tensors alive until it has run (modelled as
 ``record_stream`` on that stream).
 """
