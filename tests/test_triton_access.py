@@ -190,3 +190,12 @@ def test_a_kernel_without_source_writes_every_tensor_with_a_note(tracer):
     (op,) = [ev for ev in tracer.buffer.events if ev[0] == E.OP]
     assert op[3] == () and len(op[4]) == 2
     assert any("cannot read" in ev[2] for ev in tracer.buffer.events if ev[0] == E.NOTE)
+
+
+def test_stores_imported_by_name_write_too():
+    k = Kernel("""
+        def k(x_ptr, y_ptr):
+            store(y_ptr + tl.arange(0, 16), tl.load(x_ptr + tl.arange(0, 16)))
+            atomic_add(x_ptr, 0.0)
+    """)
+    assert written_params(k) & {"x_ptr", "y_ptr"} == {"x_ptr", "y_ptr"}

@@ -43,13 +43,16 @@ def written_params(kernel, _depth: int = 0) -> frozenset | None:
         if not isinstance(node, ast.Call):
             continue
         func = node.func
-        if isinstance(func, ast.Attribute) and func.attr in STORES:
-            written |= reach(func.value)  # a descriptor's or block pointer's own store
+        callee = _jit_callee(kernel, func)
+        store = (isinstance(func, ast.Attribute) and func.attr in STORES) or \
+            (isinstance(func, ast.Name) and func.id in STORES and callee is None)  # from triton.language import store
+        if store:
+            if isinstance(func, ast.Attribute):
+                written |= reach(func.value)  # a descriptor's or block pointer's own store
             ptr = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "pointer"), None)
             if ptr is not None:
                 written |= reach(ptr)
             continue
-        callee = _jit_callee(kernel, func)
         if callee is None or _depth >= MAX_DEPTH:
             continue
         inner = written_params(callee, _depth + 1)
