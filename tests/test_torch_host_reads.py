@@ -205,3 +205,14 @@ def test_methods_without_ufuncs_are_reads_too(written, read):
 def test_repr_of_such_a_view_is_a_plain_arrays(written):
     tracer, analyzer, host = written
     assert repr(host[:3].numpy()) == "array([0., 1., 2.], dtype=float32)"
+
+
+def test_a_bug_of_streamsans_in_a_views_access_does_not_reach_the_program(written, monkeypatch):
+    tracer, analyzer, host = written
+    view = host.numpy()
+
+    def broken(arr):
+        raise RuntimeError("dictionary changed size during iteration")
+
+    monkeypatch.setattr(tracer, "pinned_range", broken)
+    assert float(view.sum()) == sum(range(16)) and view.tolist()[:2] == [0.0, 1.0]

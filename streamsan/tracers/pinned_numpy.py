@@ -26,8 +26,42 @@ def detach(owner) -> None:
 
 
 def _owner():
-    """The tracer whose accesses these are (the latest attached), or None."""
-    return _owners[0] if len(_owners) == 1 else (_Owners() if _owners else None)
+    """The tracer whose accesses these are (the latest attached), or None; a guard keeps a bug of streamsan's
+    out of the program's NumPy calls."""
+    return _Guarded(_owners[0] if len(_owners) == 1 else _Owners()) if _owners else None
+
+
+class _Guarded:
+    """An owner whose failures cost the access, never the program's call (logged once)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner):
+        self.owner = owner
+
+    def pinned_range(self, a):
+        try:
+            return self.owner.pinned_range(a)
+        except Exception as exc:
+            _log_once(exc)
+            return None
+
+    def host_op(self, name, reads, writes):
+        try:
+            self.owner.host_op(name, reads, writes)
+        except Exception as exc:
+            _log_once(exc)
+
+
+_logged: list = []
+
+
+def _log_once(exc) -> None:
+    if not _logged:
+        import logging
+
+        _logged.append(exc)
+        logging.getLogger("streamsan").error("internal error in a pinned NumPy view's access", exc_info=exc)
 
 
 class _Owners:

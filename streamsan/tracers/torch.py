@@ -748,7 +748,7 @@ class TorchTracer:
         if not arr.size:
             return None
         ptr = arr.__array_interface__["data"][0]
-        for base, size in self.pinned.items():
+        for base, size in tuple(self.pinned.items()):  # (other threads may pin meanwhile)
             if base <= ptr < base + size:
                 return strided_range(E.PINNED, ptr, arr.shape, arr.strides, arr.itemsize)
         return None
