@@ -53,7 +53,8 @@ intercepted, and is:
 * **Host accesses to pinned memory.** The ``cupyx.*_pinned`` functions return a NumPy subclass view
   (:class:`PinnedArray`, values and memory unchanged) whose ufunc calls (``p.sum()``, ``p + 1``, ``p += 1``),
   NumPy functions (``np.copyto(p, ...)``, ``np.sum(p)``), ``fill``/``sort``/``copy``/``astype``/``item``/
-  ``tolist`` and indexing (``p[i]``, ``p[a:b] = v``) are host accesses.
+  ``tolist``, reading methods (``argmax``, iteration, ``repr``...) and indexing (``p[i]``, ``p[a:b] = v``) are
+  host accesses (:mod:`.pinned_numpy`, shared with the torch tracer).
 
 Blind spots (accesses streamsan cannot see, so races involving them are missed; a missed *synchronization* can
 instead cause a false report):
@@ -67,8 +68,7 @@ instead cause a false report):
   ``Device`` object that CuPy created itself, the count read-backs of ``nonzero``/boolean-mask indexing when they
   do not go through ``ndarray.get``, ``SystemMemory`` / managed-memory host access;
 * host accesses to pinned memory through plain NumPy arrays (``numpy.frombuffer(cupy.cuda.alloc_pinned_memory(n))``,
-  ``np.asarray(p)``, ``p.view(np.ndarray)``, memoryview/buffer protocol, ``torch.from_numpy``) and iteration, as
-  they happen: writes are found by the bytes they change at the next asynchronous copy out of the same place
+  ``np.asarray(p)``, ``p.view(np.ndarray)``, memoryview/buffer protocol, ``torch.from_numpy``), as they happen: writes are found by the bytes they change at the next asynchronous copy out of the same place
   (:mod:`streamsan.tracers.staging`), reads not at all; accesses through unified/managed memory;
 * allocations outside the pool hooks (``set_allocator(None)``, ``malloc_async``/``MemoryAsyncPool``, managed
   memory) are accessed but have no lifetime; memory hooks are thread-local: threads started before the session
