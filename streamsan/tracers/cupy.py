@@ -68,7 +68,8 @@ instead cause a false report):
   ``Device`` object that CuPy created itself, the count read-backs of ``nonzero``/boolean-mask indexing when they
   do not go through ``ndarray.get``, ``SystemMemory`` / managed-memory host access;
 * host accesses to pinned memory through plain NumPy arrays (``numpy.frombuffer(cupy.cuda.alloc_pinned_memory(n))``,
-  ``np.asarray(p)``, ``p.view(np.ndarray)``, memoryview/buffer protocol, ``torch.from_numpy``), as they happen: writes are found by the bytes they change at the next asynchronous copy out of the same place
+  ``np.asarray(p)``, ``p.view(np.ndarray)``, memoryview/buffer protocol, ``torch.from_numpy``), as they
+  happen: writes are found by the bytes they change at the next asynchronous copy out of the same place
   (:mod:`streamsan.tracers.staging`), reads not at all; accesses through unified/managed memory;
 * allocations outside the pool hooks (``set_allocator(None)``, ``malloc_async``/``MemoryAsyncPool``, managed
   memory) are accessed but have no lifetime; memory hooks are thread-local: threads started before the session
@@ -355,7 +356,9 @@ class CupyTracer:
             self._trouble(f"{fn.__name__}: {type(e).__name__}: {e}")
 
     def _trouble(self, text: str) -> None:
-        msg = f"CuPy tracer: {text}"
+        self._note_once(f"CuPy tracer: {text}")
+
+    def _note_once(self, msg: str) -> None:
         if msg not in self.problems:
             self.problems.append(msg)
             self.buffer.events.append((E.NOTE, "warning", msg))
@@ -562,13 +565,9 @@ class CupyTracer:
             evs.append(op)
         evs.extend(after)
 
-    def _note_once_graph(self) -> None:
-        if GRAPH_NOTE not in self.problems:
-            self.problems.append(GRAPH_NOTE)
-            self.buffer.events.append((E.NOTE, "warning", GRAPH_NOTE))
-
-    def _host_op(self, name, reads, writes) -> None:
-        """A host access to pinned memory through a NumPy view (ignored inside traced CuPy calls)."""
+    def host_op(self, name, reads, writes) -> None:
+        """A host access to pinned memory through a :mod:`.pinned_numpy` view (ignored inside traced CuPy
+        calls)."""
         if not self.running or getattr(self._tl, "depth", 0) or not (reads or writes) or not self._ops_on():
             return
         evs = self.buffer.events
@@ -605,9 +604,6 @@ class CupyTracer:
         if not arr.size or self._pin_find(arr.__array_interface__["data"][0]) is None:
             return None
         return self._np_range(arr, known=True)
-
-    def host_op(self, name, reads, writes) -> None:
-        self._host_op(name, reads, writes)
 
     def _np_range(self, arr, query=False, known=False):
         """PINNED range of a NumPy array if its memory is pinned (registered, or asked with ``query``)."""
@@ -918,7 +914,7 @@ class CupyTracer:
             def begin_capture(s, *args, **kwargs):
                 r = orig(s, *args, **kwargs)
                 if t.running:
-                    t._note_once_graph()
+                    t._note_once(GRAPH_NOTE)
                     t.capturing.add(t._stream_agent(s)[1])
                 return r
             return functools.wraps(orig)(begin_capture)

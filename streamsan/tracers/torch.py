@@ -624,8 +624,9 @@ class TorchTracer:
         """``Tensor.tolist()`` and ``Tensor.numpy()`` (also reached by ``np.asarray(t)``) launch no aten op.
 
         ``tolist()`` reads a pinned tensor's memory when it is called. ``numpy()`` only makes a view, read later
-        through the array, which streamsan cannot see: the view counts as one host read at the latest moment the
-        program can read through it, when the array (and every view of it) is gone, or when tracing stops. So
+        through the array (:meth:`_open_view`): the view counts as one host read at the latest moment the program
+        can read through it, when the array (and every view of it) is gone, or when tracing stops; over memory an
+        asynchronous device-to-host copy writes, its reads are also seen when they happen. So
         ``np.asarray(t).sum()`` before a synchronization races, and a view made while a copy runs and read after
         ``event.synchronize()`` (vLLM's asynchronous outputs) does not."""
         tracer = self
@@ -859,8 +860,8 @@ class TorchTracer:
 
     def _patch_blind_spots(self) -> None:
         """CUDA graphs: ops during capture are recorded into the graph, not run, so their accesses are kept for
-        the graph's replays (:meth:`_replay`). torch.compile and Triton launch work the dispatch mode does not
-        see: say so once."""
+        the graph's replays (:meth:`_replay`). torch.compile: its functions run eagerly under the dispatch mode;
+        say so once."""
         tracer = self
         graphs = getattr(getattr(torch, "cuda", None), "graphs", None)
         cls = getattr(graphs, "CUDAGraph", None) if graphs is not None else None
