@@ -85,13 +85,14 @@ def modes(tracer_mod):
     class Announcing:
         """An op overload that announces its fresh output's storage as an allocation, as CUDA's allocator does."""
 
-        __slots__ = ("func",)
+        __slots__ = ("func", "run")
 
         def __init__(self, func):
             self.func = func
+            self.run = func  # what the tracer would call for the op itself (set with its plan)
 
         def __call__(self, *a, **k):
-            out = self.func(*a, **k)
+            out = self.run(*a, **k)
             if isinstance(out, torch.Tensor):
                 p = out.untyped_storage().data_ptr()
                 if p not in live:
@@ -117,6 +118,8 @@ def modes(tracer_mod):
 
     def plan_of_wrapped(self, func):  # filed under the wrapper, by identity (now) or by the object (older revs)
         p = self.plans[func] = self.plans[id(func)] = plan(self, func.func)
+        if hasattr(p, "call"):  # the plan calls the op directly: through the announcing wrapper instead
+            func.run, p.call = p.call, func
         return p
     tracer_mod.TorchTracer._plan = plan_of_wrapped
     tracer_mod._GpuTrace.install()

@@ -4,7 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from streamsan.tracers.torch import OpPlan  # noqa: E402
+from streamsan.tracers.torch import OpPlan, _direct_call  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -69,3 +69,18 @@ def test_the_tracer_keeps_key_sharing_instance_dicts():
     finally:
         tracer.stop()
     assert len(vars(tracer)) < MAX_ATTRIBUTES
+
+
+def test_plans_call_the_ops_handle_and_anything_unusual_as_it_is():
+    add = torch.ops.aten.add.Tensor
+    assert OpPlan(add).call is add._op  # OpOverload.__call__ only forwards to it: one Python frame less per op
+    a = torch.ones(3)
+    assert OpPlan(add).call(a, a).tolist() == [2.0, 2.0, 2.0]
+
+    class Overload(type(add)):
+        def __call__(self, *args, **kwargs):
+            return "more"
+
+    odd = object.__new__(Overload)
+    odd._op = add._op
+    assert _direct_call(odd) is odd

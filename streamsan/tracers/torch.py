@@ -81,19 +81,37 @@ _FACTORY_SUFFIX = ("_like",)
 _FACTORY_PREFIX = ("new_",)
 
 
+def _direct_call(func):
+    """What to call to run an op overload: ``OpOverload.__call__`` only forwards to the C++ handle ``_op``, so the
+    tracer calls the handle and saves a Python frame per op; anything else (a subclass, a ``__call__`` that does
+    more in another torch) is called as it is."""
+    call = getattr(type(func), "__call__", None)
+    code = getattr(call, "__code__", None)
+    if call is _OVERLOAD_CALL and code is not None and code.co_names == ("_op",):
+        op = getattr(func, "_op", None)
+        if callable(op):
+            return op
+    return func
+
+
+_OVERLOAD_CALL = getattr(getattr(torch._ops, "OpOverload", None), "__call__", None)
+
+
 class OpPlan:
     """How to read one op overload's accesses from its arguments, derived once from its schema.
 
     ``tensor_args``: (position, name, is_write, is_list) for every tensor argument the kernel touches (a list
     of lists, ``Tensor[][]``, is flattened at dispatch).
     ``fresh_outputs``: whether returned tensors are new memory the op writes. ``skip``: no access at all.
+    ``call``: what runs the op (:func:`_direct_call`).
     """
 
-    __slots__ = ("func", "name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy", "pinning",
+    __slots__ = ("func", "call", "name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy", "pinning",
                  "pinning_or_copy", "record_stream", "collective")
 
     def __init__(self, func):
         self.func = func
+        self.call = _direct_call(func)
         schema = func._schema
         base = schema.name.split("::")[-1]
         self.name = schema.name + ("." + schema.overload_name if schema.overload_name else "")
@@ -689,7 +707,8 @@ class TorchTracer:
             if is_own_file(tb.tb_frame.f_code.co_filename):
                 own = tb
             tb = tb.tb_next
-        if own is None or "func(*args" in linecache.getline(own.tb_frame.f_code.co_filename, own.tb_lineno):
+        line = linecache.getline(own.tb_frame.f_code.co_filename, own.tb_lineno) if own is not None else ""
+        if own is None or "func(*args" in line or "call(*args" in line:
             return None
         self._stop_on_bug(exc, str(func))
         return "out" in own.tb_frame.f_locals, own.tb_frame.f_locals.get("out")
@@ -1117,10 +1136,10 @@ class TorchTracer:
                 if plan.record_stream:
                     self._record_stream(args)
                     self._record_stream_seen = _get_ident()
-                return func(*args, **kwargs)
+                return plan.call(*args, **kwargs)
             evs = self.buffer.events
             mark = len(evs)
-            out = func(*args, **kwargs)
+            out = plan.call(*args, **kwargs)
             if self.buffer.events is not evs:  # another thread flushed while the op ran
                 evs = self.buffer.events
                 mark = 0
@@ -1182,7 +1201,7 @@ class TorchTracer:
         if dev < 0:
             if not plan.fresh_outputs:
                 if not reads and not writes:
-                    return func(*args, **kwargs)
+                    return plan.call(*args, **kwargs)
                 return self._host_op(func, plan, args, kwargs, reads, writes)
             # a factory or a host-to-device copy naming its device: known now, so the op is in place while it runs
             dev = _cuda_target(kwargs)
@@ -1201,7 +1220,7 @@ class TorchTracer:
                 self._staged_write(evs, cpu, cpu_r, stack, ctx)
         mark = len(evs)
         try:
-            out = func(*args, **kwargs)
+            out = plan.call(*args, **kwargs)
         finally:
             if mine is not None and self.op_agent is mine:
                 self.op_agent = None
