@@ -5,7 +5,8 @@
 threads and a CUDA graph (test_reliability.py), Triton kernels (test_triton_kernels.py); ``expected_field.json``:
 real projects' stream bugs and their fixes (test_field_training.py, test_field_inference.py, test_field_more.py,
 test_field_cupy.py, test_field_staging.py, test_field_serving.py, test_field_threads_events.py,
-test_field_data_pipelines.py, test_cuda_graphs.py), backward passes on streams
+test_field_data_pipelines.py, test_cuda_graphs.py), the precision probes of views and of the allocator
+(test_field_views.py, test_field_allocator.py), backward passes on streams
 (test_autograd_streams.py) and training steps of DDP, FSDP (both APIs), tensor parallelism, activation
 checkpointing and AMP (test_parallel_libs.py: all clean).
 
