@@ -19,6 +19,7 @@ import sys
 import threading
 
 from streamsan.imports import when_imported
+from streamsan.session import current
 
 SUPPORTED_MAJOR = 5
 LAYER_METHODS = ("offload", "prefetch", "update", "update_conv_state", "update_recurrent_state", "update_indexer")
@@ -60,20 +61,23 @@ def _patch(session, cu) -> None:
             fn = cls.__dict__.get(m)
             if fn is None or getattr(fn, "__streamsan__", False) or not callable(fn):
                 continue
-            wrapper = (_wrap_cache if issubclass(cls, cu.Cache) else _wrap_layer)(session, cls.__name__, m, fn)
+            wrapper = (_wrap_cache if issubclass(cls, cu.Cache) else _wrap_layer)(cls.__name__, m, fn)
             setattr(cls, m, wrapper)
     cu._streamsan_patched = True
 
 
-def _tracer(session):
-    t = session.tracers.get("torch") if session.active else None
+def _tracer():
+    """The torch tracer of the session active now: the classes are patched once per process, and each later
+    session (``pytest --streamsan`` runs one per test) is served by the same wrappers."""
+    session = current()
+    t = session.tracers.get("torch") if session is not None and session.active else None
     return t if t is not None and t.running else None
 
 
-def _wrap_cache(session, clsname, method, fn):
+def _wrap_cache(clsname, method, fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        tracer = _tracer(session)
+        tracer = _tracer()
         if tracer is None or (tracer.scope == "hooks" and not getattr(self, "offloading", False)):
             return fn(self, *args, **kwargs)  # hooks scope: a cache without offloading uses no second stream
         layer_idx = _layer_idx(method, args, kwargs)
@@ -96,10 +100,10 @@ def _wrap_cache(session, clsname, method, fn):
     return wrapper
 
 
-def _wrap_layer(session, clsname, method, fn):
+def _wrap_layer(clsname, method, fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        tracer = _tracer(session)
+        tracer = _tracer()
         if tracer is None or (tracer.scope == "hooks" and not getattr(_state, "caches", None)):
             return fn(self, *args, **kwargs)
         idx = _index_in_cache(self)
@@ -139,13 +143,13 @@ def _index_in_cache(layer):
 
 def _name_streams(tracer, cache) -> None:
     s = getattr(cache, "prefetch_stream", None)
-    if s is None or getattr(cache, "_streamsan_named", False):
+    if s is None or getattr(cache, "_streamsan_named", None) is tracer.streams:  # named in this session already
         return
     try:
         tracer.name_stream(s, "prefetch_stream")
-        cache._streamsan_named = True
     except Exception:  # a stream we cannot key: reports fall back to the stream handle
-        cache._streamsan_named = True
+        pass
+    cache._streamsan_named = tracer.streams
 
 
 def _label_layer(tracer, layer, idx: int) -> None:
