@@ -6,8 +6,9 @@ threads and a CUDA graph (test_reliability.py), Triton kernels (test_triton_kern
 real projects' stream bugs and their fixes (test_field_training.py, test_field_inference.py, test_field_more.py,
 test_field_cupy.py, test_field_staging.py, test_field_serving.py, test_field_threads_events.py,
 test_field_data_pipelines.py, test_cuda_graphs.py), the precision probes of views and of the allocator
-(test_field_views.py, test_field_allocator.py), backward passes on streams
-(test_autograd_streams.py) and training steps of DDP, FSDP (both APIs), tensor parallelism, activation
+(test_field_views.py, test_field_allocator.py), more CuPy bug patterns (test_field_cupy_more.py), real transformers
+paths (``transformers-*``, test_transformers_paths.py: generate with each cache, streamers, host copies), backward
+passes on streams (test_autograd_streams.py) and training steps of DDP, FSDP (both APIs), tensor parallelism, activation
 checkpointing and AMP (test_parallel_libs.py: all clean).
 
 The traces are real PyTorch programs (torch 2.11, CUDA 13); CI has no GPU, so this is how it checks the whole
