@@ -20,7 +20,7 @@ class Block:
     for pinned memory)."""
 
     __slots__ = ("space", "start", "size", "owner", "serial", "recorded", "foreign", "freed", "stack", "ctx",
-                 "what", "label", "seq")
+                 "what", "label", "seq", "missing_records")
 
     def __init__(self, space, start, size, owner, serial, stack=0, ctx=0, what="", seq=-1):
         self.space = space
@@ -30,6 +30,7 @@ class Block:
         self.serial = serial
         self.recorded: set[int] = _NO_STREAMS  # streams named by record_stream (a new set once one is added)
         self.foreign: dict[int, object] | None = None  # stream agent -> its last Access to this block
+        self.missing_records: dict[int, object] | None = None  # stream agent -> its missing-record-stream finding
         self.freed = False
         self.stack = stack
         self.ctx = ctx

@@ -476,6 +476,10 @@ class Analyzer:
         blk = seg.block
         old = blk is not None and prev.seq < blk.seq  # prev was made in an earlier life of this memory
         mrs = prev.mrs if old else None
+        if old and mrs is None:  # an earlier access of a stream whose last one is a missing record_stream
+            ob = seg.prev_block
+            if ob is not None and ob.missing_records is not None and prev.seq >= ob.seq:
+                mrs = ob.missing_records.get(prev.agent)
         if old:
             kind = ALLOC_REUSE
         elif prev.agent == HOST or cur.agent == HOST:
@@ -571,6 +575,9 @@ class Analyzer:
                     continue
                 f = self._missing_record_stream(x, old, cur, blk if reused else None)
                 x.mrs = f
+                if old.missing_records is None:
+                    old.missing_records = {}
+                old.missing_records[x.agent] = f
                 if reused:
                     f.reused = True
 

@@ -22,8 +22,9 @@ Readings of docs/semantics.md where the text leaves room (the most literal one i
   one device, so in practice the device of b). "G's last access to b" = the last OP of G (a stream) touching
   any byte of b during b's life. "Does not happen-before the allocation point" = reaches neither A's latest
   node nor the host's latest node at that ALLOC (graph edges, the reuse edges included).
-* Folding: a race (X, Y) is folded when X is the foreign access of a missing-record-stream finding at ALLOC a
-  and Y's access of the byte belongs to a life started at or after a (``fold="later-lives"``, the spec's
+* Folding: a race (X, Y) is folded when X is the foreign access of a missing-record-stream finding at ALLOC a,
+  or an earlier access of the same stream to the same block in the same life, and Y's access of the byte belongs
+  to a life started at or after a (``fold="later-lives"``, the spec's
   reading; ``fold="new-life"`` folds only races with the life a started, when a covers bytes of b).
 * EVENT_DELETE is not in the spec's edge table; the oracle ignores it (the generator never emits it).
 * The life of an access to a byte is the latest ALLOC covering that byte (accesses to freed or never
@@ -230,9 +231,11 @@ class Oracle:
             new = self.blocks[a_seq]
             for b in freed:
                 last = {}  # stream -> its last access node/seq to b during b's life
+                seqs = {}  # stream -> the seqs of all its accesses to b during b's life
                 for byte in range(b.start, b.start + b.size):
                     for x in self.acc.get((b.space, byte), []):
                         if x.life == b.id and x.agent != E.HOST:
+                            seqs.setdefault(x.agent, set()).add(x.seq)
                             if x.agent not in last or x.seq > last[x.agent].seq:
                                 last[x.agent] = x
                 for g, x in last.items():
@@ -243,7 +246,7 @@ class Oracle:
                         self.mrs.add((x.seq, a_seq))
                         covers = new.space == b.space and new.start < b.start + b.size and b.start < new.start + new.size
                         if covers or self.fold == "later-lives":
-                            self.folded.add((x.seq, a_seq))
+                            self.folded.update((xs, a_seq) for xs in seqs[g])
 
     def ordered(self, x, y, space, byte):
         """Access x (earlier) happens-before access y on that byte, allocator edges included."""

@@ -350,6 +350,16 @@ def test_oracle_deferred_reuse_edge_and_missing_record_stream():
     # the foreign access is S2's *last* access to the block
     t = head + [E.op(S2, "r", reads=[(0, 8, 1)])] + tail  # 4 is S2's last access
     assert Oracle(t).mrs == {(4, 6)}
+    # ... and the reuse's race with S2's earlier write (3) is folded into that finding too (the same missing
+    # record_stream); the analyzer agrees
+    o = Oracle(t)
+    assert o.classify(3, 7, 0, 0) == ("alloc-reuse", True)
+    assert o.classify(4, 7, 0, 8) == ("alloc-reuse", True)
+    a = pytest.importorskip("streamsan.analyzer").Analyzer(keep_occurrences=True)
+    a.feed(t)
+    a.finish()
+    assert [f.kind for f in a.sorted_findings()] == ["missing-record-stream"]
+    assert {(oc.prev_seq, bool(oc.folded)) for oc in a.occurrences if oc.kind == "alloc-reuse"} == {(3, True)}
 
 
 def test_oracle_reuse_edge_only_from_recorded_users_and_not_from_owner():

@@ -586,6 +586,29 @@ def test_missing_record_stream_reports_the_last_foreign_access():
     one(evs, MISSING_RECORD_STREAM, (B, "cat_2"), (A, "allocation"), BASE, BASE + 1 * KB)
 
 
+def test_missing_record_stream_folds_the_foreign_streams_earlier_accesses():
+    # B writes the block in place, then reads it last (an offloaded static cache layer); the reuse on A races with
+    # both, and both are the one missing record_stream: no separate alloc-reuse finding for the write.
+    evs = streams(A, B) + [alloc(0, BASE, 1 * KB, A), op(A, "h2d", writes=[D(0, 1 * KB)]), event_record(1, A),
+                           event_wait(1, B), op(B, "index_copy_", writes=[D(0, 512)]),
+                           op(B, "bmm", reads=[D(0, 1 * KB)]), free(0, BASE),
+                           alloc(0, BASE, 1 * KB, A), op(A, "h2d", writes=[D(0, 1 * KB)])]
+    a, f = one(evs, MISSING_RECORD_STREAM, (B, "bmm"), (A, "allocation"), BASE, BASE + 1 * KB)
+    assert f.reused is True
+    assert sorted((o.kind, o.folded) for o in a.occurrences) == [
+        (ALLOC_REUSE, True), (ALLOC_REUSE, True), (MISSING_RECORD_STREAM, False)]
+
+
+def test_missing_record_stream_folding_leaves_a_recorded_stream_ordered():
+    # C recorded the block (the allocator waits for its write); only B's read is the missing record_stream.
+    evs = streams(A, B, C) + [alloc(0, BASE, 1 * KB, A), op(C, "fill_", writes=[D(0, 512)]),
+                              op(B, "bmm", reads=[D(512, 512)]), record_stream(0, BASE, C), free(0, BASE),
+                              alloc(0, BASE, 1 * KB, A), op(A, "h2d", writes=[D(0, 1 * KB)])]
+    a = run(evs)
+    assert [(f.kind, f.previous.name, f.current.name) for f in a.sorted_findings()] == [
+        (MISSING_RECORD_STREAM, "bmm", "allocation")]
+
+
 def test_missing_record_stream_one_finding_per_foreign_stream():
     evs = streams(A, B, C) + [alloc(0, BASE, 1 * KB, A), op(B, "cat", reads=[D(0, 512)]),
                               op(C, "add", reads=[D(512, 512)]), free(0, BASE), alloc(0, BASE + Q_OFF, 64, A)]
