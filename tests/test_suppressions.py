@@ -142,8 +142,8 @@ def test_replay_and_show_with_suppressions(capsys, files, tmp_path):
     out, _ = capsys.readouterr()
     assert code == 0  # suppressed findings do not fail
     assert out.splitlines()[0].startswith("streamsan: no races found (")
-    assert (f"streamsan: suppressed: device-device x3 at u/proj/cache_utils.py:140 by frame:*/cache_utils.py:140 "
-            f"(the prefetch race, fixed upstream)") in out.splitlines()
+    assert ("streamsan: suppressed: device-device x3 at u/proj/cache_utils.py:140 by frame:*/cache_utils.py:140 "
+            "(the prefetch race, fixed upstream)") in out.splitlines()
     rep = json.loads(out_path.read_text())
     assert rep["suppressed"][0]["suppression"] == {"rule": "frame:*/cache_utils.py:140", "reason":
                                                    "the prefetch race, fixed upstream", "file": str(supp), "line": 1}
