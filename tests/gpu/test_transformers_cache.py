@@ -4,7 +4,6 @@ Expected line numbers are read from the installed transformers source, so the te
 locations without hard-coding one release's numbering.
 """
 
-import inspect
 import json
 import os
 import subprocess
@@ -13,26 +12,10 @@ import sys
 import pytest
 
 transformers = pytest.importorskip("transformers")
-from transformers import cache_utils  # noqa: E402
+from transformers_lines import CAT_K, CAT_V, OFFLOAD_K, OFFLOAD_V, PREFETCH_K, PREFETCH_V  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "transformers_offloaded_cache.py")
-
-
-def line_of(func, text):
-    lines, start = inspect.getsourcelines(func)
-    for i, line in enumerate(lines):
-        if text in line:
-            return f"transformers/cache_utils.py:{start + i}"
-    raise AssertionError(f"{text!r} not in {func.__qualname__}")
-
-
-OFFLOAD_K = line_of(cache_utils.CacheLayerMixin.offload, 'self.keys = self.keys.to("cpu"')
-OFFLOAD_V = line_of(cache_utils.CacheLayerMixin.offload, 'self.values = self.values.to("cpu"')
-PREFETCH_K = line_of(cache_utils.CacheLayerMixin.prefetch, "self.keys = self.keys.to(self.device")
-PREFETCH_V = line_of(cache_utils.CacheLayerMixin.prefetch, "self.values = self.values.to(self.device")
-CAT_K = line_of(cache_utils.DynamicLayer.update, "self.keys = torch.cat")
-CAT_V = line_of(cache_utils.DynamicLayer.update, "self.values = torch.cat")
 
 
 def wrap(tmp_path, *args, scope="full"):

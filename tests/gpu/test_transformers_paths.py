@@ -17,7 +17,6 @@ test_cache_hooks_name_and_label_in_every_session), "h2d_stream", "d2h_stream", "
 batching's).
 """
 
-import inspect
 import threading
 
 import pytest
@@ -28,33 +27,15 @@ if int(transformers.__version__.split(".")[0]) != 5:
     pytest.skip("written against transformers 5.x", allow_module_level=True)
 
 import streamsan  # noqa: E402
-from streamsan.findings import short_path  # noqa: E402
-from transformers import cache_utils  # noqa: E402
 from transformers.generation import utils as generation_utils  # noqa: E402
 from transformers.integrations import sdpa_attention  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
+from transformers_lines import CAT_K, CAT_V, OFFLOAD_K, OFFLOAD_V, PREFETCH_K, PREFETCH_V, line_of  # noqa: E402
 
 PROMPT = 8
 NEW = 4  # generated tokens: one prefill forward and three decode forwards
 
 
-def line_of(func, text):
-    """``path:line`` of the line of ``func`` holding ``text``, spelled as streamsan's locations are."""
-    func = inspect.unwrap(func)  # (through torch.no_grad and the like)
-    lines, start = inspect.getsourcelines(func)
-    path = short_path(inspect.getsourcefile(func))
-    for i, line in enumerate(lines):
-        if text in line:
-            return f"{path}:{start + i}"
-    raise AssertionError(f"{text!r} not in {func.__qualname__}")
-
-
-OFFLOAD_K = line_of(cache_utils.CacheLayerMixin.offload, 'self.keys = self.keys.to("cpu"')
-OFFLOAD_V = line_of(cache_utils.CacheLayerMixin.offload, 'self.values = self.values.to("cpu"')
-PREFETCH_K = line_of(cache_utils.CacheLayerMixin.prefetch, "self.keys = self.keys.to(self.device")
-PREFETCH_V = line_of(cache_utils.CacheLayerMixin.prefetch, "self.values = self.values.to(self.device")
-CAT_K = line_of(cache_utils.DynamicLayer.update, "self.keys = torch.cat")
-CAT_V = line_of(cache_utils.DynamicLayer.update, "self.values = torch.cat")
 SDPA_CALL = line_of(sdpa_attention.sdpa_attention_forward, "torch.nn.functional.scaled_dot_product_attention(")
 EAGER_QK = line_of(modeling_qwen3.eager_attention_forward, "torch.matmul(query, key_states")
 EAGER_AV = line_of(modeling_qwen3.eager_attention_forward, "torch.matmul(attn_weights, value_states)")
