@@ -3,8 +3,9 @@
 A :class:`Block` is one life of an allocation. The caching allocator hands a freed block to the next
 allocations on its owner stream at once, except that it waits for the work of streams named by
 ``record_stream``. So a freed block whose life saw an access by another, unrecorded stream leaves a
-*pending* access: :class:`AllocatorModel` keeps those per owner stream until the owner's next allocation,
-where the analyzer decides whether they are still unordered (DESIGN §3).
+*pending* access: :class:`AllocatorModel` keeps those per owner stream (and private memory pool, where the
+block came from one) until the owner's next allocation from the same pool, where the analyzer decides whether
+they are still unordered (DESIGN §3).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ class Block:
     for pinned memory)."""
 
     __slots__ = ("space", "start", "size", "owner", "serial", "recorded", "foreign", "freed", "stack", "ctx",
-                 "what", "label", "seq", "missing_records")
+                 "what", "label", "seq", "missing_records", "pool")
 
-    def __init__(self, space, start, size, owner, serial, stack=0, ctx=0, what="", seq=-1):
+    def __init__(self, space, start, size, owner, serial, stack=0, ctx=0, what="", seq=-1, pool=0):
         self.space = space
         self.start = start
         self.size = size
@@ -31,6 +32,7 @@ class Block:
         self.recorded: set[int] = _NO_STREAMS  # streams named by record_stream (a new set once one is added)
         self.foreign: dict[int, object] | None = None  # stream agent -> its last Access to this block
         self.missing_records: dict[int, object] | None = None  # stream agent -> its missing-record-stream finding
+        self.pool = pool  # a private memory pool's id, or 0: the owner's own free lists
         self.freed = False
         self.stack = stack
         self.ctx = ctx
@@ -48,16 +50,18 @@ class Block:
 
 
 class AllocatorModel:
-    """Live blocks by (space, start) and, per owner stream, the freed blocks with pending foreign accesses."""
+    """Live blocks by (space, start) and, per (owner stream, pool), the freed blocks with pending foreign accesses:
+    a freed block goes back to its pool's free lists (the owner's own ones for pool 0), so only that pool's next
+    allocation on the owner can get it."""
 
     def __init__(self):
         self.live: dict[int, dict[int, Block]] = {}
-        self.pending: dict[int, list[tuple[Block, list]]] = {}
+        self.pending: dict[tuple[int, int], list[tuple[Block, list]]] = {}
         self._serial = 0
 
-    def new_block(self, space, start, size, owner, stack, ctx, what, seq) -> Block:
+    def new_block(self, space, start, size, owner, stack, ctx, what, seq, pool=0) -> Block:
         self._serial += 1
-        b = Block(space, start, size, owner, self._serial, stack, ctx, what, seq)
+        b = Block(space, start, size, owner, self._serial, stack, ctx, what, seq, pool)
         self.live.setdefault(space, {})[start] = b
         return b
 
@@ -79,7 +83,7 @@ class AllocatorModel:
         pend = [a for g, a in block.foreign.items() if g not in recorded and unordered(a)]
         block.foreign = None
         if pend:
-            self.pending.setdefault(block.owner, []).append((block, pend))
+            self.pending.setdefault((block.owner, block.pool), []).append((block, pend))
 
     def live_count(self) -> int:
         return sum(len(d) for d in self.live.values())

@@ -510,14 +510,15 @@ class Analyzer:
 
     # ------------------------------------------------------------------ allocator
     def _alloc(self, ev) -> None:
-        _, space, start, size, owner, stack, ctx, what = ev
+        _, space, start, size, owner, stack, ctx, what = ev[:8]
+        pool = ev[8] if len(ev) > 8 else 0
         self.counts["allocs"] += 1
         if owner != HOST and owner not in self.agents:
             self._ensure_agent(owner)
         end = start + size
         alloc = self.allocator
-        blk = alloc.new_block(space, start, size, owner, stack, ctx, what, self.seq)
-        pend = alloc.pending.pop(owner, None) if alloc.pending and owner != HOST else None
+        blk = alloc.new_block(space, start, size, owner, stack, ctx, what, self.seq, pool)
+        pend = alloc.pending.pop((owner, pool), None) if alloc.pending and owner != HOST else None
         if pend:
             self._check_pending(pend, blk)
         if size <= 0:

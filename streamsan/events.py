@@ -27,8 +27,10 @@ DEVICE_SYNC    (7, device, stack)               the host waits for every stream 
 OP             (8, agent, name, reads, writes, stack, ctx, flags)   work on a stream (or a host access when
                agent == HOST); reads / writes: tuples of ranges; flags: OP_BLOCKING (the host waits for
                the stream right after the op: blocking copies, .item(), copies into pageable memory)
-ALLOC          (9, space, start, size, agent, stack, ctx, what)   owner stream (HOST for pinned memory);
-               what: a short description of the first tensor, e.g. "bfloat16[1, 8, 512, 128]"
+ALLOC          (9, space, start, size, agent, stack, ctx, what[, pool])   owner stream (HOST for pinned memory);
+               what: a short description of the first tensor, e.g. "bfloat16[1, 8, 512, 128]"; pool: the id of
+               the private memory pool the block comes from (``torch.cuda.use_mem_pool``), absent or 0 for the
+               owner stream's own free lists
 FREE           (10, space, start, stack)
 RECORD_STREAM  (11, space, start, agent, stack) the block at start is also used by that stream
 LABEL          (12, space, start, size, label)  a human name for memory, e.g. "cache.layers[3].keys"
@@ -118,8 +120,10 @@ def host_access(name: str, reads=(), writes=(), stack: int = 0, ctx: int = 0) ->
     return (OP, HOST, name, tuple(reads), tuple(writes), stack, ctx, 0)
 
 
-def alloc(space: int, start: int, size: int, agent: int, stack: int = 0, ctx: int = 0, what: str = "") -> tuple:
-    return (ALLOC, space, start, size, agent, stack, ctx, what)
+def alloc(space: int, start: int, size: int, agent: int, stack: int = 0, ctx: int = 0, what: str = "",
+          pool: int = 0) -> tuple:
+    ev = (ALLOC, space, start, size, agent, stack, ctx, what)
+    return ev + (pool,) if pool else ev
 
 
 def free(space: int, start: int, stack: int = 0) -> tuple:
@@ -192,6 +196,9 @@ _SHAPES = {
 }
 
 
+# trailing fields an event may leave out
+_OPTIONAL = {ALLOC: "i"}
+
 _AGENT_FIELD = {STREAM: 1, EVENT_RECORD: 2, EVENT_WAIT: 2, STREAM_SYNC: 1, OP: 1, ALLOC: 4, RECORD_STREAM: 3}
 
 
@@ -207,7 +214,10 @@ def validate(ev) -> tuple:
     if shape is None:
         raise BadEvent(f"unknown event kind {kind!r}")
     if len(ev) != len(shape) + 1:
-        raise BadEvent(f"{KIND_NAMES[kind]} has {len(shape) + 1} fields, got {len(ev)}")
+        extra = _OPTIONAL.get(kind, "")
+        if not extra or len(ev) != len(shape) + len(extra) + 1:
+            raise BadEvent(f"{KIND_NAMES[kind]} has {len(shape) + 1} fields, got {len(ev)}")
+        shape += extra
     if kind in _AGENT_FIELD and not (0 <= ev[_AGENT_FIELD[kind]] < MAX_AGENT if _is_int(ev[_AGENT_FIELD[kind]])
                                       else False):
         raise BadEvent(f"{KIND_NAMES[kind]}: agent ids are integers in [0, {MAX_AGENT})")

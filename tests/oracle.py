@@ -18,7 +18,7 @@ Readings of docs/semantics.md where the text leaves room (the most literal one i
 * An allocation covering bytes of a freed block gets the edge from every earlier life of those bytes (an
   older life's edges already reach every access after the first reuse, so this is the same as "the freed
   block b").
-* "Missing record_stream": the first ALLOC with owner A after b's free, in any space (owners are streams of
+* "Missing record_stream": the first ALLOC with owner A from b's memory pool after b's free, in any space (owners are streams of
   one device, so in practice the device of b). "G's last access to b" = the last OP of G (a stream) touching
   any byte of b during b's life. "Does not happen-before the allocation point" = reaches neither A's latest
   node nor the host's latest node at that ALLOC (graph edges, the reuse edges included).
@@ -39,7 +39,7 @@ from itertools import product
 from streamsan import events as E
 
 Access = namedtuple("Access", "seq node agent write life")
-Block = namedtuple("Block", "id space start size owner")  # id = seq of the ALLOC
+Block = namedtuple("Block", "id space start size owner pool")  # id = seq of the ALLOC
 
 
 def range_bytes(r):
@@ -122,7 +122,7 @@ class Oracle:
         live = {}  # (space, start) -> Block
         life = {}  # (space, byte) -> block id of the latest ALLOC covering it
         self.alloc_points = []  # (alloc seq, owner, A's latest node, host's latest node, [freed blocks to check])
-        pending = defaultdict(list)  # owner -> freed device blocks not yet checked
+        pending = defaultdict(list)  # (owner, pool) -> freed device blocks not yet checked
         for seq, ev in enumerate(self.events):
             k = ev[0]
             if k == E.STREAM:
@@ -160,7 +160,7 @@ class Oracle:
                 if flags & E.OP_BLOCKING:
                     self._new_node(E.HOST, [n])
             elif k == E.ALLOC:
-                blk = Block(seq, ev[1], ev[2], ev[3], ev[4])
+                blk = Block(seq, ev[1], ev[2], ev[3], ev[4], ev[8] if len(ev) > 8 else 0)
                 self.blocks[seq] = blk
                 live[(blk.space, blk.start)] = blk
                 for b in range(blk.start, blk.start + blk.size):
@@ -168,12 +168,12 @@ class Oracle:
                 self.allocs.append((seq, blk))
                 owner = blk.owner
                 self.alloc_points.append((seq, owner, self.latest.get(owner), self.latest.get(E.HOST),
-                                          pending.pop(owner, [])))
+                                          pending.pop((owner, blk.pool), [])))
             elif k == E.FREE:
                 blk = live.pop((ev[1], ev[2]))
                 self.free_seq[blk.id] = seq
                 if blk.space != E.PINNED:
-                    pending[blk.owner].append(blk)
+                    pending[(blk.owner, blk.pool)].append(blk)
             elif k == E.RECORD_STREAM:
                 blk = live[(ev[1], ev[2])]
                 if ev[3] != blk.owner:  # the caching allocator ignores uses on the allocation stream

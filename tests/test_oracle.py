@@ -79,7 +79,8 @@ def traces(draw):
                 return None
         owner = E.HOST if sp == E.PINNED else draw(st.sampled_from([s for s in agents if streams[s] == sp]))
         live[sp][start] = (size, owner)
-        return E.alloc(sp, start, size, owner)
+        pool = 1 if sp != E.PINNED and draw(st.integers(0, 3)) == 0 else 0  # now and then a private memory pool's
+        return E.alloc(sp, start, size, owner, pool=pool)
 
     def gen_op():
         agent = draw(st.sampled_from([E.HOST] + agents + agents))
@@ -360,6 +361,21 @@ def test_oracle_deferred_reuse_edge_and_missing_record_stream():
     a.finish()
     assert [f.kind for f in a.sorted_findings()] == ["missing-record-stream"]
     assert {(oc.prev_seq, bool(oc.folded)) for oc in a.occurrences if oc.kind == "alloc-reuse"} == {(3, True)}
+
+
+def test_oracle_missing_record_stream_waits_for_an_allocation_from_the_blocks_pool():
+    # S1's block comes from private pool 7; S2 reads it; freed. S1's next allocation from its own free lists cannot
+    # get the block: no finding there; its next one from pool 7 is the finding.
+    t = TWO + [E.alloc(0, 0, 16, S1, pool=7),  # 2
+               E.op(S2, "r", reads=[(0, 0, 16)]),  # 3
+               E.free(0, 0), E.alloc(0, 64, 8, S1),  # 5
+               E.alloc(0, 32, 8, S1, pool=7)]  # 6
+    assert Oracle(t).mrs == {(3, 6)}
+    a = pytest.importorskip("streamsan.analyzer").Analyzer()
+    a.feed(t)
+    a.finish()
+    assert [(f.kind, f.previous.name, f.current.seq) for f in a.sorted_findings()] == [
+        ("missing-record-stream", "r", 6)]
 
 
 def test_oracle_reuse_edge_only_from_recorded_users_and_not_from_owner():

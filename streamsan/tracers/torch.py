@@ -13,7 +13,8 @@ What it watches:
   pinned allocations (outputs of pinning ops and of non-blocking device-to-host copies), host reads that
   launch no aten op (``Tensor.tolist()``; ``Tensor.numpy()`` views, read when the array is gone, and over memory
   an asynchronous device-to-host copy writes also read as they read, :mod:`.pinned_numpy`) on pinned memory,
-  ``record_stream`` under ``no_dispatch()`` and ``UntypedStorage.resize_``;
+  ``record_stream`` under ``no_dispatch()``, ``UntypedStorage.resize_``, and ``torch.cuda.use_mem_pool`` (the
+  allocations it routes to a private pool carry the pool);
 * CUDA graphs: ops during capture are kept as the graph's accesses, and each ``replay()`` is one op on the
   replaying stream (:meth:`TorchTracer._replay`);
 * host writes to pinned staging buffers that no traced call shows, by the bytes they change at the next
@@ -315,7 +316,7 @@ class _GpuTrace:
             if t is not None and t.tracing:
                 try:
                     cur = t.op_agent
-                    if cur is not None and cur[4] == _get_ident():
+                    if cur is not None and cur[4] == _get_ident() and not t.pool_of_thread:
                         t.live_device[ptr] = cur[0]
                         t.buffer.events.append((_ALLOC, cur[0], ptr, 0, cur[1], cur[2], cur[3], ""))
                     else:
@@ -396,6 +397,32 @@ class HostViews:
         self.async_written: set[int] = set()  # base pointers
 
 
+class _RoutedToPool:
+    """``use_mem_pool``'s context manager, telling the tracer (``routing``: thread -> pool number) while the calling
+    thread's allocations go to the pool."""
+
+    def __init__(self, cm, routing: dict, number: int):
+        self.cm = cm
+        self.routing = routing
+        self.number = number
+        self.prev = None
+
+    def __enter__(self):
+        out = self.cm.__enter__()
+        tid = _get_ident()
+        self.prev = self.routing.get(tid)
+        self.routing[tid] = self.number
+        return out
+
+    def __exit__(self, *exc):
+        tid = _get_ident()
+        if self.prev is None:
+            self.routing.pop(tid, None)
+        else:
+            self.routing[tid] = self.prev
+        return self.cm.__exit__(*exc)
+
+
 class GraphCaptures:
     """CUDA graphs' accesses: the capture in progress, and each captured graph's for its replays."""
 
@@ -450,6 +477,7 @@ class TorchTracer:
         self._engine_grads: set[int] = set()
         self.views = HostViews()
         self.staged = PinnedStaging(_storage_base)  # pinned blocks' bytes as asynchronous copies read them
+        self.pool_of_thread: dict[int, int] = {}  # thread -> the memory pool its allocations go to (use_mem_pool)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -578,6 +606,8 @@ class TorchTracer:
         self._emit((E.DEVICE_SYNC, _cuda_get_device(), self._callback_stack()))
 
     def _on_alloc(self, ptr):
+        pool = self.pool_of_thread.get(_get_ident(), 0) if self.pool_of_thread else 0
+        tail = (pool,) if pool else ()
         cur = self.op_agent
         if cur is None or cur[4] != _get_ident():  # outside an op (or inside another thread's)
             if not self.in_scope:
@@ -585,11 +615,11 @@ class TorchTracer:
             dev = _cuda_get_device()
             cur = (dev, self.agent(dev, _cuda_raw_stream(dev)), 0, 0)
             self.live_device[ptr] = dev
-            self._emit((E.ALLOC, dev, ptr, 0, cur[1], 0, 0, ""))
+            self._emit((E.ALLOC, dev, ptr, 0, cur[1], 0, 0, "") + tail)
             return
         dev = cur[0]
         self.live_device[ptr] = dev
-        self.buffer.events.append((E.ALLOC, dev, ptr, 0, cur[1], cur[2], cur[3], ""))
+        self.buffer.events.append((E.ALLOC, dev, ptr, 0, cur[1], cur[2], cur[3], "") + tail)
 
     # ------------------------------------------------------------------ patches
     def _patch(self) -> None:
@@ -623,6 +653,7 @@ class TorchTracer:
             if _set_type_attr(cls, attr, make(orig, what)):
                 self._patched.append((cls, attr, orig))
         self._patch_host_reads()
+        self._patch_mem_pools()
         self._patch_outside_dispatch()
         self._patch_backward()
         self._patch_blind_spots()
@@ -803,6 +834,32 @@ class TorchTracer:
             self._patched.append((autograd, attr, orig))
             setattr(autograd, attr, make(orig))
 
+    def _patch_mem_pools(self) -> None:
+        """``torch.cuda.use_mem_pool(pool)``: the calling thread's allocations inside go to a private pool, and
+        their blocks go back to it when freed, for allocations routed there only: the ALLOC events made meanwhile
+        carry the pool (a small number per pool), so that the analyzer knows which allocations can reuse them."""
+        cuda = getattr(torch, "cuda", None)
+        memory = getattr(cuda, "memory", None)
+        orig = getattr(memory, "use_mem_pool", None)
+        if orig is None:
+            return
+        routing = self.pool_of_thread
+        numbers: dict = {}
+
+        def use_mem_pool(pool, *args, **kwargs):
+            cm = orig(pool, *args, **kwargs)
+            try:
+                number = numbers.setdefault(pool.id, len(numbers) + 1)
+            except Exception:  # not a MemPool: the original raises, or routes nowhere streamsan can name
+                return cm
+            return _RoutedToPool(cm, routing, number)
+        use_mem_pool.__wrapped__ = orig
+        use_mem_pool.__doc__ = orig.__doc__
+        for mod in (memory, cuda):
+            if getattr(mod, "use_mem_pool", None) is orig:
+                self._patched.append((mod, "use_mem_pool", orig))
+                mod.use_mem_pool = use_mem_pool
+
     def _patch_outside_dispatch(self) -> None:
         """Two things libraries do where a dispatch mode cannot see them (FSDP does both):
 
@@ -861,7 +918,7 @@ class TorchTracer:
         allocs = [ev for ev in inner if ev[0] == E.ALLOC]
         for i, ev in enumerate(allocs):
             if ev[2] == new_ptr and ev[3] == 0:
-                allocs[i] = (E.ALLOC, ev[1], ev[2], new_n, ev[4], ev[5], ev[6], "storage")
+                allocs[i] = (E.ALLOC, ev[1], ev[2], new_n, ev[4], ev[5], ev[6], "storage") + ev[8:]
         evs.extend(allocs)
         keep = min(old_n, new_n)
         if keep and old_ptr != new_ptr:
@@ -1266,7 +1323,7 @@ class TorchTracer:
             # the common case: the op allocated its one contiguous output
             ev = evs[mark]
             evs[mark] = (_ALLOC, ev[1], single, out.untyped_storage().nbytes(), ev[4], ev[5] or stack, ev[6] or ctx,
-                         describe(out))
+                         describe(out)) + ev[8:]
             evs.append(op)
         else:
             self._place(evs, mark, op, out if plan.fresh_outputs else None, collective=plan.collective)
@@ -1356,7 +1413,7 @@ class TorchTracer:
                 size, what = sizes[ev[2]]
                 if not stack:
                     stack = self.stacks.capture(evs, 3)
-                evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or stack, ev[6], what)
+                evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or stack, ev[6], what) + ev[8:]
 
     def _place(self, evs, mark, op, out, pre=(), collective: bool = False) -> None:
         """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the barrier
@@ -1370,7 +1427,7 @@ class TorchTracer:
                 ev = evs[i]
                 if ev[3] == 0 and ev[2] in sizes:
                     size, what = sizes[ev[2]]
-                    evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or op[5], ev[6] or op[6], what)
+                    evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or op[5], ev[6] or op[6], what) + ev[8:]
             evs.append(op)
             return
         inner = evs[mark:]
@@ -1381,7 +1438,7 @@ class TorchTracer:
             if ev[0] == E.ALLOC:
                 if ev[3] == 0 and ev[2] in sizes:
                     size, what = sizes[ev[2]]
-                    ev = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or op[5], ev[6] or op[6], what)
+                    ev = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or op[5], ev[6] or op[6], what) + ev[8:]
                 evs.append(ev)
             elif ev[0] in (E.STREAM, E.DEF_STACK, E.DEF_CONTEXT):
                 evs.append(ev)

@@ -21,8 +21,9 @@ each program names ("side", "prefetch", "load", "producer", "cupy_side"). A miss
 current op is "allocation", on the owner stream. The torch table runs without CuPy; the CuPy table is skipped
 without it (its CuPy streams are non-blocking: CUDA orders them with nothing).
 
-One torch program is a known false report (KNOWN_FALSE_REPORTS): streamsan keeps one free list per owner stream,
-while a block freed into a ``MemPool`` is handed only to allocations routed to that pool.
+A block freed into a ``MemPool`` is handed only to allocations routed to that pool: the tracer tags the allocations
+made under ``torch.cuda.use_mem_pool`` with their pool, and the analyzer checks such a block's pending accesses at
+the owner's next allocation from that pool only (it was a false report before).
 """
 
 import collections
@@ -304,8 +305,8 @@ def mempool_block_recorded():
 def mempool_block_not_reused_outside_pool():
     """The same free, but side's next allocation is outside the pool: the allocator hands a pool's blocks only to
     allocations routed to that pool, so z never gets x's block and nothing later allocates in the pool: the
-    program is clean. streamsan files the free under its owner stream alone and reports it at side's next
-    allocation (KNOWN_FALSE_REPORTS)."""
+    program is clean (streamsan once reported it at side's next allocation, as if the pool were side's own free
+    lists)."""
     _pooled_block(record=False, reuse_in_pool=False)
 
 
@@ -352,14 +353,7 @@ EXPECTED = {
     "mempool_block_not_reused_outside_pool": [],
 }
 
-KNOWN_FALSE_REPORTS = {
-    "mempool_block_not_reused_outside_pool": "reported: (missing-record-stream, default, aten::mul.Tensor, side, "
-                                             "allocation); a block freed into a MemPool is handed only to "
-                                             "allocations routed to that pool",
-}
-
-
-test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED, KNOWN_FALSE_REPORTS)
+test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED)
 
 
 # ================================================================== PyTorch <-> CuPy (skipped without CuPy)
