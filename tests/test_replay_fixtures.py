@@ -94,3 +94,23 @@ def test_the_engines_gradient_records_keep_fsdp_clean():
     assert [(f.kind, f.previous.name, f.current.name) for f in stripped.sorted_findings()] == [
         ("missing-record-stream", "aten::cat", "allocation")]
     assert replay_trace(str(FIXTURES / "fsdp1_training.sstrace"))["races"] == []
+
+
+def test_a_replayed_memory_pool_block_waits_for_its_pool():
+    """On an H200: a block allocated under ``torch.cuda.use_mem_pool``, read by another stream, freed, then an
+    allocation of its owner outside the pool. The trace's pool field is what keeps it clean: without it the block
+    would be taken for one of the owner's own free lists, and reported."""
+    from streamsan import events as E
+    from streamsan.analyzer import Analyzer
+    from streamsan.trace import TraceReader
+
+    assert replay_trace(str(FIXTURES / "mempool_block_not_reused_outside_pool.sstrace"))["races"] == []
+    stripped = Analyzer()
+    pools = 0
+    for batch in TraceReader(str(FIXTURES / "mempool_block_not_reused_outside_pool.sstrace")).batches():
+        pools += sum(1 for ev in batch if ev[0] == E.ALLOC and len(ev) > 8)
+        stripped.feed([ev[:8] if ev[0] == E.ALLOC else ev for ev in batch])
+    stripped.finish()
+    assert pools == 1
+    assert [(f.kind, f.previous.name, f.current.name) for f in stripped.sorted_findings()] == [
+        ("missing-record-stream", "aten::mul.Tensor", "allocation")]
