@@ -78,3 +78,16 @@ def test_a_pool_block_waits_for_an_allocation_from_its_pool():
     (f,) = a.sorted_findings()
     assert (f.kind, f.previous.name, f.current.name, f.reused) == (
         "missing-record-stream", "aten::mul.Tensor", "allocation", True)
+
+
+def test_use_mem_pool_still_decorates(tracer):
+    pool = types.SimpleNamespace(id=(0, 3))
+
+    @torch.cuda.use_mem_pool(pool)
+    def allocate(ptr):
+        return alloc_in_op(tracer, ptr)[8:]
+
+    assert allocate(0x100) == (1,)
+    assert allocate(0x200) == (1,)  # (a generator-based context manager is made anew for each call)
+    assert alloc_in_op(tracer, 0x300)[8:] == ()
+    assert tracer.entered == [(0, 3), (0, 3)]

@@ -30,6 +30,7 @@ A collective that runs on a communication stream of its own keeps its tensors al
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import threading
@@ -397,15 +398,19 @@ class HostViews:
         self.async_written: set[int] = set()  # base pointers
 
 
-class _RoutedToPool:
+class _RoutedToPool(contextlib.ContextDecorator):
     """``use_mem_pool``'s context manager, telling the tracer (``routing``: thread -> pool number) while the calling
-    thread's allocations go to the pool."""
+    thread's allocations go to the pool; a decorator too, as the original is."""
 
     def __init__(self, cm, routing: dict, number: int):
         self.cm = cm
         self.routing = routing
         self.number = number
         self.prev = None
+
+    def _recreate_cm(self):
+        recreate = getattr(self.cm, "_recreate_cm", None)
+        return _RoutedToPool(recreate(), self.routing, self.number) if recreate is not None else self
 
     def __enter__(self):
         out = self.cm.__enter__()
