@@ -122,19 +122,24 @@ def test_generate_static_cache_is_clean(san):
     assert out[0].shape == (1, PROMPT + NEW)
 
 
+def offloaded_generate(san, cache_implementation, **model_kwargs):
+    """``generate`` with an offloading cache under streamsan: (session, findings), its prefetch stream named."""
+    model, ids = tiny_model(**model_kwargs), prompt()
+
+    def run():
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, cache_implementation=cache_implementation,
+                             return_dict_in_generate=True)
+        streamsan.name_stream(out.past_key_values.prefetch_stream, "prefetch_stream")
+
+    return san(run)
+
+
 def test_generate_offloaded_dynamic_cache(san):
     """``cache_implementation="offloaded"`` is ``DynamicCache(offloading=True)`` (generation/utils.py
     _prepare_cache_for_generation): the pinned round trip races, and the prefetched tensor is last read by the
     default stream's ``torch.cat`` in DynamicLayer.update before it is dropped, with no record_stream; the prefetch
     stream's next allocation (the next prefetch's keys) could get its block."""
-    model, ids = tiny_model(), prompt()
-
-    def run():
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, cache_implementation="offloaded",
-                             return_dict_in_generate=True)
-        streamsan.name_stream(out.past_key_values.prefetch_stream, "prefetch_stream")
-
-    session, got = san(run)
+    session, got = offloaded_generate(san, "offloaded")
     assert sorted(got) == sorted([
         ("device-device", "default", "aten::_to_copy", "prefetch_stream", "aten::_to_copy"),
         ("device-device", "default", "aten::_to_copy", "prefetch_stream", "aten::_to_copy"),
@@ -156,14 +161,7 @@ def test_generate_offloaded_static_cache_eager(san):
     it). With eager attention the last reads are the two ``torch.matmul``s of eager_attention_forward (aten::bmm),
     one line for keys and one for values. The in-place index_copy_'s races with the reuse are folded into those
     two findings (the same missing record_stream)."""
-    model, ids = tiny_model(attn="eager"), prompt()
-
-    def run():
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, cache_implementation="offloaded_static",
-                             return_dict_in_generate=True)
-        streamsan.name_stream(out.past_key_values.prefetch_stream, "prefetch_stream")
-
-    session, got = san(run)
+    session, got = offloaded_generate(san, "offloaded_static", attn="eager")
     assert sorted(got) == sorted([
         ("device-device", "default", "aten::_to_copy", "prefetch_stream", "aten::_to_copy"),
         ("device-device", "default", "aten::_to_copy", "prefetch_stream", "aten::_to_copy"),
@@ -181,14 +179,7 @@ def test_generate_offloaded_static_cache_sdpa(san):
     """The same with SDPA attention: keys and values are last read by one scaled_dot_product_attention call, so the
     two missing-record-stream hazards share one pair of code locations and are one finding (three in all). Which aten
     op SDPA dispatches to depends on the GPU and torch build, so that op is only checked to be an SDPA one."""
-    model, ids = tiny_model(attn="sdpa"), prompt()
-
-    def run():
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, cache_implementation="offloaded_static",
-                             return_dict_in_generate=True)
-        streamsan.name_stream(out.past_key_values.prefetch_stream, "prefetch_stream")
-
-    session, _ = san(run)
+    session, _ = offloaded_generate(san, "offloaded_static", attn="sdpa")
     found = located(session)
     assert [x for x in found if x[0] != "missing-record-stream"] == sorted(PINNED_ROUND_TRIP)
     mrs = [x for x in found if x[0] == "missing-record-stream"]
