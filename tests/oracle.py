@@ -18,9 +18,9 @@ Readings of docs/semantics.md where the text leaves room (the most literal one i
 * An allocation covering bytes of a freed block gets the edge from every earlier life of those bytes (an
   older life's edges already reach every access after the first reuse, so this is the same as "the freed
   block b").
-* "Missing record_stream": the first ALLOC with owner A from b's memory pool after b's free, in any space (owners are streams of
-  one device, so in practice the device of b). "G's last access to b" = the last OP of G (a stream) touching
-  any byte of b during b's life. "Does not happen-before the allocation point" = reaches neither A's latest
+* "Missing record_stream": the first ALLOC with owner A from b's memory pool after b's free, in any space
+  (owners are streams of one device, so in practice the device of b). "G's last access to b" = the last OP of G
+  (a stream) touching any byte of b during b's life. "Does not happen-before the allocation point" = reaches neither A's latest
   node nor the host's latest node at that ALLOC (graph edges, the reuse edges included).
 * Folding: a race (X, Y) is folded when X is the foreign access of a missing-record-stream finding at ALLOC a,
   or an earlier access of the same stream to the same block in the same life, and Y's access of the byte belongs

@@ -108,8 +108,8 @@ class OpPlan:
     ``call``: what runs the op (:func:`_direct_call`).
     """
 
-    __slots__ = ("func", "call", "name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy", "pinning",
-                 "pinning_or_copy", "record_stream", "collective")
+    __slots__ = ("func", "call", "name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy",
+                 "pinning", "pinning_or_copy", "record_stream", "collective")
 
     def __init__(self, func):
         self.func = func

@@ -40,8 +40,9 @@ SDPA_CALL = line_of(sdpa_attention.sdpa_attention_forward, "torch.nn.functional.
 EAGER_QK = line_of(modeling_qwen3.eager_attention_forward, "torch.matmul(query, key_states")
 EAGER_AV = line_of(modeling_qwen3.eager_attention_forward, "torch.matmul(attn_weights, value_states)")
 
-# The pinned round trip of each offloaded layer: the default stream's D2H copy (offload) writes pinned memory that the
-# prefetch stream's H2D copy (prefetch) reads with no edge between the two streams. One finding for keys, one for values.
+# The pinned round trip of each offloaded layer: the default stream's D2H copy (offload) writes pinned memory that
+# the prefetch stream's H2D copy (prefetch) reads with no edge between the two streams. One finding for keys, one
+# for values.
 PINNED_ROUND_TRIP = [
     ("device-device", "default", "aten::_to_copy", OFFLOAD_K, "prefetch_stream", "aten::_to_copy", PREFETCH_K),
     ("device-device", "default", "aten::_to_copy", OFFLOAD_V, "prefetch_stream", "aten::_to_copy", PREFETCH_V),
@@ -352,7 +353,7 @@ def test_batch_encoding_to_non_blocking(san, how, expected):
         assert out[0].tolist() == ids
 
 
-# ---------------------------------------------------------------------------------------------------- continuous batching
+# ------------------------------------------------------------------------------------------------ continuous batching
 
 
 def cb_locations():
