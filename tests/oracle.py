@@ -20,8 +20,8 @@ Readings of docs/semantics.md where the text leaves room (the most literal one i
   block b").
 * "Missing record_stream": the first ALLOC with owner A from b's memory pool after b's free, in any space
   (owners are streams of one device, so in practice the device of b). "G's last access to b" = the last OP of G
-  (a stream) touching any byte of b during b's life. "Does not happen-before the allocation point" = reaches neither A's latest
-  node nor the host's latest node at that ALLOC (graph edges, the reuse edges included).
+  (a stream) touching any byte of b during b's life. "Does not happen-before the allocation point" = reaches
+  neither A's latest node nor the host's latest node at that ALLOC (graph edges, the reuse edges included).
 * Folding: a race (X, Y) is folded when X is the foreign access of a missing-record-stream finding at ALLOC a,
   or an earlier access of the same stream to the same block in the same life, and Y's access of the byte belongs
   to a life started at or after a (``fold="later-lives"``, the spec's
