@@ -29,12 +29,14 @@ REUSE_EDGES = "pair"  # the spec's reading of the deferred-reuse edges (see test
 
 # ---------------------------------------------------------------------------------------------- generator
 @st.composite
-def traces(draw):
-    """A random valid trace: host + 2-5 streams, events, syncs, allocations and accesses, 5-60 events."""
-    n_streams = draw(st.integers(2, 5))
-    dev1 = draw(st.booleans())  # the last stream lives on device 1
+def traces(draw, reuse_heavy=False):
+    """A random valid trace: host + 2-5 streams, events, syncs, allocations and accesses, 5-60 events.
+    ``reuse_heavy``: two streams of one device, many accesses, frees and reallocations, no record_stream or host
+    syncs: the shape of missing-record-stream findings and of the races folded into them."""
+    n_streams = 2 if reuse_heavy else draw(st.integers(2, 5))
+    dev1 = not reuse_heavy and draw(st.booleans())  # the last stream lives on device 1
     legacy = draw(st.integers(0, 3)) == 0  # stream 1 is the legacy default stream of device 0
-    sync_level = draw(st.integers(0, 2))  # how often the host synchronizes: never, sometimes, often
+    sync_level = 0 if reuse_heavy else draw(st.integers(0, 2))  # how often the host synchronizes
     streams = {}
     evs = []
     for s in range(1, n_streams + 1):
@@ -126,6 +128,8 @@ def traces(draw):
     }
     weighted = (["op"] * 8 + ["alloc"] * 4 + ["free"] * 3 + ["record"] * 2 + ["wait"] * 2 + ["record_stream"] * 2
                 + ["stream_sync", "event_sync", "device_sync"] * sync_level)
+    if reuse_heavy:
+        weighted = ["op"] * 10 + ["alloc"] * 4 + ["free"] * 4 + ["record", "wait"]
     n_body = draw(st.integers(max(0, 5 - len(evs)), 60 - len(evs)))
     tries = 0
     while len(evs) < len(streams) + n_body and tries < 4 * n_body + 10:
@@ -143,7 +147,7 @@ def _bytes(o):
     return {(o.space, b) for b in range(o.lo, o.hi)}
 
 
-def check_against_oracle(trace, Analyzer):
+def check_against_oracle(trace, Analyzer, check_folded=CHECK_FOLDED):
     note(format_trace(trace))
     orc = Oracle(trace, reuse_edges=REUSE_EDGES)
     a = Analyzer(keep_occurrences=True)
@@ -182,7 +186,7 @@ def check_against_oracle(trace, Analyzer):
         assert occ == []
     # (f) the folded flag: alloc-reuse races of a missing-record-stream finding's foreign access with the life
     # that the finding's allocation started
-    if CHECK_FOLDED:
+    if check_folded:
         for o in races:
             for sp, b in _bytes(o):
                 folded = orc.classify(o.prev_seq, o.cur_seq, sp, b)[1]
@@ -195,6 +199,18 @@ def check_against_oracle(trace, Analyzer):
 def test_analyzer_matches_oracle(trace):
     Analyzer = pytest.importorskip("streamsan.analyzer").Analyzer
     check_against_oracle(trace, Analyzer)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+@given(traces(reuse_heavy=True))
+def test_analyzer_matches_oracle_on_reuse_heavy_traces(trace):
+    """Racing bytes, kinds and missing-record-stream findings. Not the folded flag: on these traces (the same bytes
+    reallocated several times, by both streams and from a pool) the analyzer, which looks only at the bytes'
+    previous life, and the oracle differ on which alloc-reuse races count as folded into a missing-record-stream
+    finding, e.g. a race with an access two lives back (a known gap; the findings themselves agree)."""
+    Analyzer = pytest.importorskip("streamsan.analyzer").Analyzer
+    check_against_oracle(trace, Analyzer, check_folded=False)
 
 
 # ---------------------------------------------------------------------------------------------- the oracle
