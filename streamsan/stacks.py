@@ -101,8 +101,14 @@ class StackTable:
         k = tuple(key)
         sid = self.ids.get(k)
         if sid is None:
-            sid = self.ids[k] = len(self.ids) + 1
-            events.append((E.DEF_STACK, sid, self._frames(_getframe(skip + 1))))
+            sid = self.define(events, k, _getframe(skip + 1))
+        return sid
+
+    def define(self, events: list, key: tuple, frame) -> int:
+        """Intern a new stack key captured at ``frame`` (the caller of the op): its id, with its DEF_STACK
+        appended to ``events``. (The C tracer's capture calls this too.)"""
+        sid = self.ids[key] = len(self.ids) + 1
+        events.append((E.DEF_STACK, sid, self._frames(frame)))
         return sid
 
     def _no_frames(self, events: list) -> int:

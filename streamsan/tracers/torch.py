@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import sys
 import threading
 import weakref
@@ -42,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import events as E
 from ..agents import StreamRegistry
 from ..findings import ENGINE_FRAME
-from ..stacks import StackTable, is_own_file
+from ..stacks import USER, StackTable, is_own_file
 from .graphs import GraphAccesses
 from .pinned_numpy import attach, detach, pinned_class, strided_range
 from .staging import WRITE_SEEN, PinnedStaging
@@ -105,11 +106,12 @@ class OpPlan:
     ``tensor_args``: (position, name, is_write, is_list) for every tensor argument the kernel touches (a list
     of lists, ``Tensor[][]``, is flattened at dispatch).
     ``fresh_outputs``: whether returned tensors are new memory the op writes. ``skip``: no access at all.
-    ``call``: what runs the op (:func:`_direct_call`).
+    ``call``: what runs the op (:func:`_direct_call`). ``fast``: what the C tracer reads (``streamsan/_ctracer.c``):
+    (kind, call, name, tensor_args, fresh_outputs), kind 0 for ops only the Python path handles.
     """
 
     __slots__ = ("func", "call", "name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy",
-                 "pinning", "pinning_or_copy", "record_stream", "collective")
+                 "pinning", "pinning_or_copy", "record_stream", "collective", "fast")
 
     def __init__(self, func):
         self.func = func
@@ -146,6 +148,15 @@ class OpPlan:
             r.alias_info is None for r in schema.returns) and any(_tensor_kind(r.type) for r in schema.returns)
         no_access = base in NO_ACCESS and not self.pinning and not (base == "_unsafe_view" and schema.overload_name)
         self.skip = no_access or (not self.tensor_args and not self.fresh_outputs)  # (_unsafe_view.out copies)
+        if self.skip:
+            kind = _FAST_NONE if self.record_stream else _FAST_ALLOCATING if self.fresh_outputs else _FAST_UNTOUCHED
+        else:
+            kind = _FAST_NONE if self.pinning_or_copy or self.collective else _FAST_ACCESSES
+        self.fast = (kind, self.call, self.name, self.tensor_args, self.fresh_outputs)
+
+
+# OpPlan.fast kinds: what the C tracer does with an op (streamsan/_ctracer.c)
+_FAST_NONE, _FAST_UNTOUCHED, _FAST_ALLOCATING, _FAST_ACCESSES = 0, 1, 2, 3
 
 
 def _tensor_kind(t):
@@ -189,6 +200,11 @@ class _Mode(TorchDispatchMode):
     def __init__(self, tracer):
         super().__init__()
         self.tracer = tracer
+        dispatch = _c_dispatch()
+        if dispatch is not None and type(self).__torch_dispatch__ is _Mode.__torch_dispatch__:
+            # PyTorch calls this instance attribute: the C tracer, which leaves what it does not handle to the
+            # method below
+            self.__torch_dispatch__ = dispatch(tracer, _Mode.__torch_dispatch__.__get__(self), self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.tracer.tracing:
@@ -220,6 +236,25 @@ class _Mode(TorchDispatchMode):
                 raise
             return ran[1] if ran[0] else func(*args, **kwargs)
 
+
+def _c_dispatch():
+    """The C tracer's ``Dispatch`` type (``streamsan/_ctracer.c``), configured for this module, or None: not built
+    (no C compiler at install), Python before 3.11, or ``STREAMSAN_CORE=python`` in the environment."""
+    if os.environ.get("STREAMSAN_CORE", "").strip().lower() == "python" or _cuda_raw_stream is None:
+        return None
+    try:
+        from .. import _ctracer
+    except ImportError:
+        return None
+    if not getattr(_ctracer, "AVAILABLE", 0):
+        return None
+    _ctracer.configure(_Tensor, _cuda_raw_stream, describe, E.OP, E.ALLOC, USER, _C_DEVICE_ATTR, _C_DEVICE_OFFSET)
+    return _ctracer.Dispatch
+
+
+# Which tensors the C tracer takes for device tensors, and what it adds to their get_device() (the CPU stand-in of
+# bench/standin.py sets these for its CPU tensors)
+_C_DEVICE_ATTR, _C_DEVICE_OFFSET = "is_cuda", 0
 
 _NO_MEMORY = ("FakeTensor", "FunctionalTensor")
 _PLAIN, _MEMORYLESS, _WRAPPER = 0, 1, 2
@@ -1417,7 +1452,7 @@ class TorchTracer:
             if ev[0] == E.ALLOC and ev[3] == 0 and ev[2] in sizes:
                 size, what = sizes[ev[2]]
                 if not stack:
-                    stack = self.stacks.capture(evs, 3)
+                    stack = self.stacks.capture(evs, 1)  # (streamsan's own frames are skipped: called from C too)
                 evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or stack, ev[6], what) + ev[8:]
 
     def _place(self, evs, mark, op, out, pre=(), collective: bool = False) -> None:

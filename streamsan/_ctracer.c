@@ -1,0 +1,923 @@
+/* The torch tracer's common case in C: an aten op on plain CUDA tensors.
+ *
+ * A `Dispatch` object is installed as a dispatch mode's `__torch_dispatch__` (an instance attribute, so that
+ * PyTorch calls it directly, without a Python frame). For an op whose plan it can follow (kind 1-3 below) and
+ * whose tensors are all plain CUDA tensors, it does what `TorchTracer._dispatch` does, step for step, and
+ * appends the same events; the rare sub-cases (non-contiguous tensors, several outputs, events fired inside the
+ * op other than its one allocation, autograd engine threads) call the same Python methods the Python path calls.
+ * Anything else it declines before touching the tracer's state: it calls the mode's Python `__torch_dispatch__`
+ * (the fallback), which handles every op. So findings are those of the Python tracer, by construction; the
+ * tests compare the two event streams on the same programs.
+ *
+ * Plan kinds (`OpPlan.fast[0]`): 0 the Python path only; 1 no access, no fresh output (call the op);
+ * 2 no access, fresh outputs (call the op, size its allocations); 3 an op with accesses.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+
+#if PY_VERSION_HEX >= 0x030B0000
+#include <frameobject.h>
+
+/* Set once by configure(). */
+static PyObject *g_tensor_type;  /* torch.Tensor */
+static PyObject *g_raw_stream;   /* callable(device) -> raw cudaStream_t of the current stream */
+static PyObject *g_describe;     /* callable(tensor) -> "dtype[shape]" */
+static PyObject *g_dev_attr;     /* "is_cuda" (the CPU stand-in of the benchmarks says "is_cpu") */
+static long g_dev_offset;        /* added to get_device() (the stand-in's CPU tensors say -1) */
+static PyObject *g_op, *g_alloc, *g_zero;
+static long g_alloc_code;
+static long g_user_kind;
+
+static PyObject *s_tracing, *s_plans, *s_buffer, *s_events, *s_ctx, *s_agent_of, *s_op_agent, *s_saw_cuda,
+    *s_batch, *s_engine_threads, *s_stacks, *s_nbytes, *s_data_ptr, *s_is_contiguous, *s_get_device,
+    *s_untyped_storage, *s_range_in, *s_outputs, *s_place, *s_fill_alloc_sizes, *s_engine_op, *s_flush, *s_agent,
+    *s_stop_on_bug, *s_fast, *s_pin_memory, *s_kind, *s_ids, *s_classify, *s_define, *s_no_frames, *s_key_users,
+    *s_max_key;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *tracer;
+    PyObject *fallback; /* the mode's Python __torch_dispatch__, bound */
+    PyObject *self_;    /* the mode (PyTorch checks `__torch_dispatch__.__self__`) */
+    PyObject *weakrefs;
+    vectorcallfunc vectorcall;
+} Dispatch;
+
+static PyObject *fallback(Dispatch *d, PyObject *const *argv, Py_ssize_t nargs) {
+    return PyObject_Vectorcall(d->fallback, argv, nargs, NULL);
+}
+
+static PyObject *call_method1(PyObject *obj, PyObject *name, PyObject *a) {
+    PyObject *argv[2] = {obj, a};
+    return PyObject_VectorcallMethod(name, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+static PyObject *call_method0(PyObject *obj, PyObject *name) {
+    PyObject *argv[1] = {obj};
+    return PyObject_VectorcallMethod(name, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* Truthiness of obj.<name>; -1 on error. */
+static int attr_true(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+static int is_runtime_error(void) { return PyErr_ExceptionMatches(PyExc_RuntimeError); }
+
+/* t.get_device() (+ the configured offset); -2 on error. */
+static long device_of(PyObject *t) {
+    PyObject *v = call_method0(t, s_get_device);
+    if (v == NULL) return -2;
+    long d = PyLong_AsLong(v);
+    Py_DECREF(v);
+    if (d == -1 && PyErr_Occurred()) return -2;
+    return d + g_dev_offset;
+}
+
+/* The byte range of a device tensor, as the tracer's `_range_in(t, dev)` gives it: (dev, ptr, n) for a
+ * contiguous one, the Python method for the rest (strided, empty, sparse). New reference, Py_None, or NULL. */
+static PyObject *tensor_range(PyObject *tracer, PyObject *t, long dev) {
+    PyObject *n = PyObject_GetAttr(t, s_nbytes);
+    if (n == NULL) {
+        if (!is_runtime_error()) return NULL;
+        PyErr_Clear();
+        goto python;
+    }
+    int nonzero = PyObject_IsTrue(n);
+    if (nonzero <= 0) {
+        Py_DECREF(n);
+        if (nonzero < 0) return NULL;
+        goto python;
+    }
+    PyObject *c = call_method0(t, s_is_contiguous);
+    if (c == NULL) {
+        Py_DECREF(n);
+        if (!is_runtime_error()) return NULL;
+        PyErr_Clear();
+        goto python;
+    }
+    int contiguous = PyObject_IsTrue(c);
+    Py_DECREF(c);
+    if (contiguous <= 0) {
+        Py_DECREF(n);
+        if (contiguous < 0) return NULL;
+        goto python;
+    }
+    PyObject *p = call_method0(t, s_data_ptr);
+    if (p == NULL) {
+        Py_DECREF(n);
+        if (!is_runtime_error()) return NULL;
+        PyErr_Clear();
+        goto python;
+    }
+    PyObject *r = Py_BuildValue("(lNN)", dev, p, n);
+    return r;
+python:;
+    PyObject *dv = PyLong_FromLong(dev);
+    if (dv == NULL) return NULL;
+    PyObject *argv[3] = {tracer, t, dv};
+    PyObject *r2 = PyObject_VectorcallMethod(s_range_in, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(dv);
+    return r2;
+}
+
+/* The kind of a code object in the stack table: OWN 0, LIBRARY 1, USER 2; -1 on error. */
+static long code_kind(PyObject *stacks, PyObject *kinds, PyCodeObject *code) {
+    PyObject *key = PyLong_FromVoidPtr(code);
+    if (key == NULL) return -1;
+    PyObject *k = PyDict_GetItemWithError(kinds, key); /* borrowed */
+    Py_DECREF(key);
+    if (k == NULL) {
+        if (PyErr_Occurred()) return -1;
+        k = call_method1(stacks, s_classify, (PyObject *)code);
+        if (k == NULL) return -1;
+        long v = PyLong_AsLong(k);
+        Py_DECREF(k);
+        return v;
+    }
+    return PyLong_AsLong(k);
+}
+
+/* StackTable.capture for a caller in C: the same key, the same ids, the same DEF_STACK events. */
+static PyObject *capture_stack(PyObject *stacks, PyObject *events) {
+    PyObject *kinds = NULL, *key = NULL, *tkey = NULL, *result = NULL;
+    PyFrameObject *first = PyEval_GetFrame(); /* borrowed */
+    PyFrameObject *f = first;
+    PyCodeObject *code = NULL;
+    long key_users, max_key, k;
+    Py_XINCREF(f);
+    if (f == NULL) goto no_frames;
+    kinds = PyObject_GetAttr(stacks, s_kind);
+    if (kinds == NULL || !PyDict_Check(kinds)) goto error;
+    code = PyFrame_GetCode(f);
+    k = code_kind(stacks, kinds, code);
+    while (k <= 0) { /* streamsan's own frames */
+        if (k < 0 && PyErr_Occurred()) goto error;
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        Py_DECREF(code);
+        code = NULL;
+        f = back;
+        if (f == NULL) goto no_frames;
+        code = PyFrame_GetCode(f);
+        k = code_kind(stacks, kinds, code);
+    }
+    {
+        PyObject *v = PyObject_GetAttr(stacks, s_key_users);
+        if (v == NULL) goto error;
+        key_users = PyLong_AsLong(v);
+        Py_DECREF(v);
+        v = PyObject_GetAttr(stacks, s_max_key);
+        if (v == NULL) goto error;
+        max_key = PyLong_AsLong(v);
+        Py_DECREF(v);
+    }
+    key = PyList_New(0);
+    if (key == NULL) goto error;
+    {
+        PyObject *cid = PyLong_FromVoidPtr(code);
+        PyObject *lasti = PyLong_FromLong(PyFrame_GetLasti(f));
+        int bad = cid == NULL || lasti == NULL || PyList_Append(key, cid) < 0 || PyList_Append(key, lasti) < 0;
+        Py_XDECREF(cid);
+        Py_XDECREF(lasti);
+        if (bad) goto error;
+    }
+    long users = key_users - (k == g_user_kind);
+    long walked = max_key;
+    while (users > 0 && walked > 0) {
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        Py_DECREF(code);
+        code = NULL;
+        f = back;
+        if (f == NULL) break;
+        code = PyFrame_GetCode(f);
+        k = code_kind(stacks, kinds, code);
+        if (k < 0 && PyErr_Occurred()) goto error;
+        if (k == g_user_kind) {
+            PyObject *cid = PyLong_FromVoidPtr(code);
+            PyObject *lasti = PyLong_FromLong(PyFrame_GetLasti(f));
+            int bad = cid == NULL || lasti == NULL || PyList_Append(key, cid) < 0 || PyList_Append(key, lasti) < 0;
+            Py_XDECREF(cid);
+            Py_XDECREF(lasti);
+            if (bad) goto error;
+            users -= 1;
+        }
+        walked -= 1;
+    }
+    tkey = PyList_AsTuple(key);
+    if (tkey == NULL) goto error;
+    {
+        PyObject *ids = PyObject_GetAttr(stacks, s_ids);
+        if (ids == NULL) goto error;
+        PyObject *sid = PyDict_Check(ids) ? PyDict_GetItemWithError(ids, tkey) : NULL;
+        Py_DECREF(ids);
+        if (sid != NULL) {
+            Py_INCREF(sid);
+            result = sid;
+        } else if (PyErr_Occurred()) {
+            goto error;
+        } else {
+            PyObject *argv[4] = {stacks, events, tkey, (PyObject *)first};
+            result = PyObject_VectorcallMethod(s_define, argv, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        }
+    }
+    goto done;
+no_frames:
+    result = call_method1(stacks, s_no_frames, events);
+    goto done;
+error:
+    result = NULL;
+done:
+    Py_XDECREF(f);
+    Py_XDECREF(code);
+    Py_XDECREF(kinds);
+    Py_XDECREF(key);
+    Py_XDECREF(tkey);
+    return result;
+}
+
+/* Kind 2: an op with no accesses that may allocate (empty, empty_like...): size its allocations. `ran`/`out`
+ * tell the caller whether the op ran (on error). */
+static PyObject *run_allocating(PyObject *tracer, PyObject *call, PyObject *args, PyObject *kwargs, int *ran,
+                                PyObject **out_p) {
+    PyObject *buffer = PyObject_GetAttr(tracer, s_buffer);
+    if (buffer == NULL) return NULL;
+    PyObject *evs = PyObject_GetAttr(buffer, s_events);
+    if (evs == NULL || !PyList_Check(evs)) {
+        if (evs != NULL) PyErr_SetString(PyExc_TypeError, "buffer.events is not a list");
+        Py_DECREF(buffer);
+        Py_XDECREF(evs);
+        return NULL;
+    }
+    Py_ssize_t mark = PyList_GET_SIZE(evs);
+    PyObject *out = PyObject_Call(call, args, kwargs);
+    if (out == NULL) {
+        *ran = -1; /* the op's own error */
+        Py_DECREF(buffer);
+        Py_DECREF(evs);
+        return NULL;
+    }
+    *ran = 1;
+    Py_INCREF(out);
+    *out_p = out;
+    PyObject *now = PyObject_GetAttr(buffer, s_events);
+    Py_DECREF(buffer);
+    if (now == NULL) goto error;
+    if (now != evs) mark = 0; /* another thread flushed while the op ran */
+    Py_DECREF(evs);
+    evs = now;
+    if (PyList_GET_SIZE(evs) > mark) {
+        PyObject *m = PyLong_FromSsize_t(mark);
+        if (m == NULL) goto error;
+        PyObject *argv[4] = {tracer, evs, m, out};
+        PyObject *r = PyObject_VectorcallMethod(s_fill_alloc_sizes, argv, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(m);
+        if (r == NULL) goto error;
+        Py_DECREF(r);
+    }
+    Py_DECREF(evs);
+    return out;
+error:
+    Py_XDECREF(evs);
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* Append the range r (a new reference, may be Py_None) to reads or writes. Steals r. */
+static int add_range(PyObject *r, int is_write, PyObject *reads, PyObject *writes) {
+    if (r == NULL) return -1;
+    int rc = 0;
+    if (r != Py_None) rc = PyList_Append(is_write ? writes : reads, r);
+    Py_DECREF(r);
+    return rc;
+}
+
+/* Read one op's accesses from its arguments (kind 3). Returns the device (>= 0), -1 for none, -3 to decline,
+ * -2 on error. */
+static long scan_args(PyObject *tracer, PyObject *tensor_args, PyObject *args, PyObject *kwargs, PyObject *reads,
+                      PyObject *writes) {
+    long dev = -1;
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    Py_ssize_t na = PyTuple_GET_SIZE(tensor_args);
+    for (Py_ssize_t i = 0; i < na; i++) {
+        PyObject *spec = PyTuple_GET_ITEM(tensor_args, i); /* (position, name, is_write, is_list) */
+        long pos = PyLong_AsLong(PyTuple_GET_ITEM(spec, 0));
+        int is_write = PyObject_IsTrue(PyTuple_GET_ITEM(spec, 2));
+        int is_list = PyObject_IsTrue(PyTuple_GET_ITEM(spec, 3));
+        PyObject *v; /* borrowed */
+        if (0 <= pos && pos < nargs) {
+            v = PyTuple_GET_ITEM(args, pos);
+        } else {
+            v = kwargs != NULL ? PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(spec, 1)) : NULL;
+            if (v == NULL && PyErr_Occurred()) return -2;
+        }
+        if (v == NULL || v == Py_None) continue;
+        if (is_list) {
+            if (!PyList_Check(v) && !PyTuple_Check(v)) return -3;
+            PyObject *seq = PySequence_Fast(v, "");
+            if (seq == NULL) return -2;
+            Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+            PyObject **items = PySequence_Fast_ITEMS(seq);
+            if (n && (PyList_Check(items[0]) || PyTuple_Check(items[0]))) {
+                Py_DECREF(seq);
+                return -3; /* Tensor[][] */
+            }
+            for (Py_ssize_t j = 0; j < n; j++) {
+                PyObject *t = items[j];
+                if (t == Py_None) continue;
+                int isdev = attr_true(t, g_dev_attr);
+                if (isdev <= 0) {
+                    Py_DECREF(seq);
+                    if (isdev < 0) {
+                        PyErr_Clear();
+                    }
+                    return -3; /* not a device tensor: the Python path's business */
+                }
+                long d = device_of(t);
+                if (d == -2 || add_range(tensor_range(tracer, t, d), is_write, reads, writes) < 0) {
+                    Py_DECREF(seq);
+                    return -2;
+                }
+                dev = d;
+            }
+            Py_DECREF(seq);
+            continue;
+        }
+        int inst = PyObject_IsInstance(v, g_tensor_type);
+        if (inst < 0) return -2;
+        if (!inst) continue;
+        int isdev = attr_true(v, g_dev_attr);
+        if (isdev < 0) return -2;
+        if (!isdev) return -3; /* a CPU tensor (pinned memory, copies) or another device */
+        long d = device_of(v);
+        if (d == -2) return -2;
+        if (dev < 0) dev = d;
+        if (add_range(tensor_range(tracer, v, d), is_write, reads, writes) < 0) return -2;
+    }
+    return dev;
+}
+
+/* Kind 3, after the scan found a device: everything `_dispatch` does from the agent on. `ran`/`out` tell the
+ * caller whether the op ran (on error). */
+static PyObject *run_traced(PyObject *tracer, PyObject *plan, PyObject *call, PyObject *name, int fresh_outputs,
+                            PyObject *args,
+                            PyObject *kwargs, long dev, PyObject *reads, PyObject *writes, int *ran,
+                            PyObject **out_p) {
+    PyObject *buffer = NULL, *evs = NULL, *ctx = NULL, *agent = NULL, *stack = NULL, *mine = NULL, *ident = NULL,
+             *out = NULL, *op = NULL, *devobj = NULL, *stacks = NULL;
+    PyObject *result = NULL;
+    PyObject *single = NULL; /* data pointer of a single contiguous output */
+
+    buffer = PyObject_GetAttr(tracer, s_buffer);
+    if (buffer == NULL) goto error;
+    evs = PyObject_GetAttr(buffer, s_events);
+    if (evs == NULL) goto error;
+    if (!PyList_Check(evs)) {
+        PyErr_SetString(PyExc_TypeError, "buffer.events is not a list");
+        goto error;
+    }
+    ctx = PyObject_GetAttr(tracer, s_ctx);
+    if (ctx == NULL) goto error;
+    devobj = PyLong_FromLong(dev);
+    if (devobj == NULL) goto error;
+    {
+        PyObject *raw = PyObject_CallOneArg(g_raw_stream, devobj);
+        if (raw == NULL) goto error;
+        PyObject *key = PyTuple_Pack(2, devobj, raw);
+        if (key == NULL) {
+            Py_DECREF(raw);
+            goto error;
+        }
+        PyObject *agent_of = PyObject_GetAttr(tracer, s_agent_of);
+        if (agent_of == NULL) {
+            Py_DECREF(raw);
+            Py_DECREF(key);
+            goto error;
+        }
+        PyObject *a = PyDict_Check(agent_of) ? PyDict_GetItemWithError(agent_of, key) : NULL;
+        Py_DECREF(agent_of);
+        Py_DECREF(key);
+        if (a == NULL && PyErr_Occurred()) {
+            Py_DECREF(raw);
+            goto error;
+        }
+        int truthy = a != NULL ? PyObject_IsTrue(a) : 0;
+        if (truthy > 0) {
+            Py_INCREF(a);
+            agent = a;
+        } else {
+            PyObject *argv[3] = {tracer, devobj, raw};
+            agent = PyObject_VectorcallMethod(s_agent, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        }
+        Py_DECREF(raw);
+        if (agent == NULL) goto error;
+    }
+    stacks = PyObject_GetAttr(tracer, s_stacks);
+    if (stacks == NULL) goto error;
+    stack = capture_stack(stacks, evs);
+    if (stack == NULL) goto error;
+    ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    if (ident == NULL) goto error;
+    mine = PyTuple_Pack(5, devobj, agent, stack, ctx, ident);
+    if (mine == NULL) goto error;
+    if (PyObject_SetAttr(tracer, s_op_agent, mine) < 0) goto error;
+
+    Py_ssize_t mark = PyList_GET_SIZE(evs);
+    out = PyObject_Call(call, args, kwargs);
+    {
+        /* finally: the op is no longer this thread's current op */
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        PyObject *cur = PyObject_GetAttr(tracer, s_op_agent);
+        if (cur == mine) PyObject_SetAttr(tracer, s_op_agent, Py_None);
+        Py_XDECREF(cur);
+        if (out == NULL) {
+            PyErr_Restore(et, ev, etb);
+            *ran = -1; /* the op's own error */
+            goto error;
+        }
+        PyErr_Clear();
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(etb);
+    }
+    *ran = 1;
+    Py_INCREF(out);
+    *out_p = out;
+    {
+        PyObject *now = PyObject_GetAttr(buffer, s_events);
+        if (now == NULL) goto error;
+        if (now != evs) mark = 0; /* another thread flushed while the op ran: all since then is inside it */
+        Py_DECREF(evs);
+        evs = now;
+    }
+    if (fresh_outputs) {
+        int handled = 0;
+        if ((PyObject *)Py_TYPE(out) == g_tensor_type) {
+            int isdev = attr_true(out, g_dev_attr);
+            if (isdev < 0) goto error;
+            if (isdev) {
+                PyObject *n = PyObject_GetAttr(out, s_nbytes);
+                if (n == NULL) {
+                    if (!is_runtime_error()) goto error;
+                    PyErr_Clear();
+                } else {
+                    int nz = PyObject_IsTrue(n);
+                    int contiguous = 0;
+                    if (nz > 0) {
+                        PyObject *c = call_method0(out, s_is_contiguous);
+                        if (c == NULL) {
+                            Py_DECREF(n);
+                            goto error;
+                        }
+                        contiguous = PyObject_IsTrue(c);
+                        Py_DECREF(c);
+                    }
+                    if (nz < 0 || contiguous < 0) {
+                        Py_DECREF(n);
+                        goto error;
+                    }
+                    if (nz && contiguous) {
+                        single = call_method0(out, s_data_ptr);
+                        long od = single != NULL ? device_of(out) : -2;
+                        if (od == -2) {
+                            Py_DECREF(n);
+                            goto error;
+                        }
+                        PyObject *r = Py_BuildValue("(lOO)", od, single, n);
+                        Py_DECREF(n);
+                        if (r == NULL || PyList_Append(writes, r) < 0) {
+                            Py_XDECREF(r);
+                            goto error;
+                        }
+                        Py_DECREF(r);
+                        handled = 1;
+                    } else {
+                        Py_DECREF(n);
+                    }
+                }
+            }
+        }
+        if (!handled) {
+            PyObject *argv[3] = {tracer, out, writes};
+            PyObject *r = PyObject_VectorcallMethod(s_outputs, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            if (r == NULL) goto error;
+            Py_DECREF(r);
+        }
+    }
+    if (PyObject_SetAttr(tracer, s_saw_cuda, Py_True) < 0) goto error;
+    {
+        PyObject *rt = PyList_AsTuple(reads), *wt = PyList_AsTuple(writes);
+        if (rt == NULL || wt == NULL) {
+            Py_XDECREF(rt);
+            Py_XDECREF(wt);
+            goto error;
+        }
+        op = PyTuple_Pack(8, g_op, agent, name, rt, wt, stack, ctx, g_zero);
+        Py_DECREF(rt);
+        Py_DECREF(wt);
+        if (op == NULL) goto error;
+    }
+    {
+        Py_ssize_t inner = PyList_GET_SIZE(evs) - mark;
+        int placed = 0;
+        if (inner == 0) {
+            if (PyList_Append(evs, op) < 0) goto error;
+            placed = 1;
+        } else if (inner == 1 && single != NULL) {
+            PyObject *ev = PyList_GET_ITEM(evs, mark); /* borrowed */
+            if (PyTuple_Check(ev) && PyTuple_GET_SIZE(ev) >= 8 &&
+                PyLong_AsLong(PyTuple_GET_ITEM(ev, 0)) == g_alloc_code) {
+                int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(ev, 2), single, Py_EQ);
+                int sized = same > 0 ? PyObject_IsTrue(PyTuple_GET_ITEM(ev, 3)) : 0;
+                if (same < 0 || sized < 0) goto error;
+                if (same && !sized) {
+                    /* the common case: the op allocated its one contiguous output */
+                    PyObject *st = call_method0(out, s_untyped_storage);
+                    if (st == NULL) goto error;
+                    PyObject *size = call_method0(st, s_nbytes);
+                    Py_DECREF(st);
+                    if (size == NULL) goto error;
+                    PyObject *what = PyObject_CallOneArg(g_describe, out);
+                    if (what == NULL) {
+                        Py_DECREF(size);
+                        goto error;
+                    }
+                    PyObject *s5 = PyTuple_GET_ITEM(ev, 5), *s6 = PyTuple_GET_ITEM(ev, 6);
+                    int t5 = PyObject_IsTrue(s5), t6 = PyObject_IsTrue(s6);
+                    if (t5 < 0 || t6 < 0) {
+                        Py_DECREF(size);
+                        Py_DECREF(what);
+                        goto error;
+                    }
+                    Py_ssize_t len = PyTuple_GET_SIZE(ev);
+                    PyObject *nev = PyTuple_New(len);
+                    if (nev == NULL) {
+                        Py_DECREF(size);
+                        Py_DECREF(what);
+                        goto error;
+                    }
+                    PyObject *items[8] = {g_alloc, PyTuple_GET_ITEM(ev, 1), single, size, PyTuple_GET_ITEM(ev, 4),
+                                          t5 ? s5 : stack, t6 ? s6 : ctx, what};
+                    for (int i = 0; i < 8; i++) {
+                        Py_INCREF(items[i]);
+                        PyTuple_SET_ITEM(nev, i, items[i]);
+                    }
+                    Py_DECREF(size); /* (the tuple holds its own references) */
+                    Py_DECREF(what);
+                    for (Py_ssize_t i = 8; i < len; i++) {
+                        PyObject *x = PyTuple_GET_ITEM(ev, i);
+                        Py_INCREF(x);
+                        PyTuple_SET_ITEM(nev, i, x);
+                    }
+                    if (PyList_SetItem(evs, mark, nev) < 0) goto error; /* steals nev */
+                    if (PyList_Append(evs, op) < 0) goto error;
+                    placed = 1;
+                }
+            }
+        }
+        if (!placed) {
+            PyObject *m = PyLong_FromSsize_t(mark);
+            if (m == NULL) goto error;
+            PyObject *argv[5] = {tracer, evs, m, op, fresh_outputs ? out : Py_None};
+            PyObject *r = PyObject_VectorcallMethod(s_place, argv, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            Py_DECREF(m);
+            if (r == NULL) goto error;
+            Py_DECREF(r);
+        }
+    }
+    {
+        PyObject *engine = PyObject_GetAttr(tracer, s_engine_threads);
+        if (engine == NULL) goto error;
+        int hit = 0;
+        if (PyObject_IsTrue(engine) > 0) hit = PySequence_Contains(engine, ident);
+        Py_DECREF(engine);
+        if (hit < 0) goto error;
+        if (hit) { /* an op of the autograd engine's threads: the Python method that handles them */
+            PyObject *kw = kwargs != NULL ? kwargs : PyDict_New();
+            if (kw == NULL) goto error;
+            PyObject *argv[8] = {tracer, evs, plan, args, kw, out, agent, stack};
+            PyObject *r = PyObject_VectorcallMethod(s_engine_op, argv, 8 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            if (kw != kwargs) Py_DECREF(kw);
+            if (r == NULL) goto error;
+            Py_DECREF(r);
+        }
+    }
+    {
+        PyObject *batch = PyObject_GetAttr(buffer, s_batch);
+        if (batch == NULL) goto error;
+        Py_ssize_t b = PyLong_AsSsize_t(batch);
+        Py_DECREF(batch);
+        if (b == -1 && PyErr_Occurred()) goto error;
+        if (PyList_GET_SIZE(evs) >= b) {
+            PyObject *r = call_method0(buffer, s_flush);
+            if (r == NULL) goto error;
+            Py_DECREF(r);
+        }
+    }
+    result = out;
+    Py_INCREF(result);
+error:
+    Py_XDECREF(buffer);
+    Py_XDECREF(evs);
+    Py_XDECREF(ctx);
+    Py_XDECREF(agent);
+    Py_XDECREF(stack);
+    Py_XDECREF(mine);
+    Py_XDECREF(ident);
+    Py_XDECREF(out);
+    Py_XDECREF(op);
+    Py_XDECREF(devobj);
+    Py_XDECREF(stacks);
+    Py_XDECREF(single);
+    return result;
+}
+
+/* A bug of streamsan's own surfaced in the C path: the tracer stops tracing and says so (`_stop_on_bug`), and
+ * the program goes on: with the op's output if it ran, else the op run now. */
+static PyObject *internal_error(Dispatch *d, PyObject *func, PyObject *args, PyObject *kwargs, int ran,
+                                PyObject *out) {
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyErr_NormalizeException(&et, &ev, &etb);
+    if (etb != NULL && ev != NULL) PyException_SetTraceback(ev, etb);
+    PyObject *where = PyObject_Str(func);
+    if (where != NULL && ev != NULL) {
+        PyObject *argv[3] = {d->tracer, ev, where};
+        PyObject *r = PyObject_VectorcallMethod(s_stop_on_bug, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_XDECREF(r);
+    }
+    PyErr_Clear();
+    Py_XDECREF(where);
+    Py_XDECREF(et);
+    Py_XDECREF(ev);
+    Py_XDECREF(etb);
+    if (ran) {
+        Py_INCREF(out);
+        return out;
+    }
+    return PyObject_Call(func, args, kwargs);
+}
+
+static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    Dispatch *d = (Dispatch *)self;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames != NULL || nargs < 3 || nargs > 4) return PyObject_Vectorcall(d->fallback, argv, nargsf, kwnames);
+    PyObject *func = argv[0], *types = argv[1], *args = argv[2];
+    PyObject *kwargs = nargs == 4 ? argv[3] : Py_None;
+    if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs))) return fallback(d, argv, nargs);
+    if (kwargs == Py_None || PyDict_GET_SIZE(kwargs) == 0) kwargs = NULL;
+    if (!PyTuple_Check(types)) return fallback(d, argv, nargs);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
+        if (PyTuple_GET_ITEM(types, i) != g_tensor_type) return fallback(d, argv, nargs); /* tensor subclasses */
+    }
+    PyObject *tracer = d->tracer;
+    int tracing = attr_true(tracer, s_tracing);
+    if (tracing <= 0) {
+        PyErr_Clear();
+        return fallback(d, argv, nargs);
+    }
+    if (kwargs != NULL) {
+        PyObject *pm = PyDict_GetItemWithError(kwargs, s_pin_memory);
+        if (pm == NULL && PyErr_Occurred()) return NULL;
+        if (pm != NULL && PyObject_IsTrue(pm) != 0) return fallback(d, argv, nargs);
+    }
+    PyObject *plans = PyObject_GetAttr(tracer, s_plans);
+    if (plans == NULL) {
+        PyErr_Clear();
+        return fallback(d, argv, nargs);
+    }
+    PyObject *fid = PyLong_FromVoidPtr(func);
+    PyObject *plan = fid != NULL && PyDict_Check(plans) ? PyDict_GetItemWithError(plans, fid) : NULL;
+    Py_XDECREF(fid);
+    Py_XINCREF(plan);
+    Py_DECREF(plans);
+    if (plan == NULL) {
+        PyErr_Clear();
+        return fallback(d, argv, nargs); /* the first time: the Python path makes the plan */
+    }
+    PyObject *fast = PyObject_GetAttr(plan, s_fast);
+    if (fast == NULL || !PyTuple_Check(fast) || PyTuple_GET_SIZE(fast) != 5) {
+        Py_DECREF(plan);
+        Py_XDECREF(fast);
+        PyErr_Clear();
+        return fallback(d, argv, nargs);
+    }
+    long kind = PyLong_AsLong(PyTuple_GET_ITEM(fast, 0));
+    PyObject *call = PyTuple_GET_ITEM(fast, 1);
+    PyObject *result = NULL;
+    if (kind == 1) {
+        result = PyObject_Call(call, args, kwargs);
+    } else if (kind == 2) {
+        int ran = 0;
+        PyObject *out = NULL;
+        result = run_allocating(tracer, call, args, kwargs, &ran, &out);
+        if (result == NULL && ran >= 0) result = internal_error(d, func, args, kwargs, ran, out);
+        Py_XDECREF(out);
+    } else if (kind == 3) {
+        PyObject *reads = PyList_New(0), *writes = PyList_New(0);
+        if (reads == NULL || writes == NULL) {
+            Py_XDECREF(reads);
+            Py_XDECREF(writes);
+            Py_DECREF(fast);
+            Py_DECREF(plan);
+            return NULL;
+        }
+        long dev = scan_args(tracer, PyTuple_GET_ITEM(fast, 3), args, kwargs, reads, writes);
+        if (dev == -3 || (dev == -1 && PyObject_IsTrue(PyTuple_GET_ITEM(fast, 4)))) {
+            result = fallback(d, argv, nargs);
+        } else if (dev == -1 && PyList_GET_SIZE(reads) == 0 && PyList_GET_SIZE(writes) == 0) {
+            result = PyObject_Call(call, args, kwargs);
+        } else if (dev == -1) {
+            result = fallback(d, argv, nargs); /* a host access */
+        } else if (dev == -2) {
+            result = internal_error(d, func, args, kwargs, 0, NULL);
+        } else {
+            int ran = 0;
+            PyObject *out = NULL;
+            result = run_traced(tracer, plan, call, PyTuple_GET_ITEM(fast, 2), PyObject_IsTrue(PyTuple_GET_ITEM(fast, 4)),
+                                args, kwargs, dev, reads, writes, &ran, &out);
+            if (result == NULL && ran >= 0) result = internal_error(d, func, args, kwargs, ran, out);
+            Py_XDECREF(out);
+        }
+        Py_DECREF(reads);
+        Py_DECREF(writes);
+    } else {
+        result = fallback(d, argv, nargs);
+    }
+    Py_DECREF(fast);
+    Py_DECREF(plan);
+    return result;
+}
+
+static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
+    PyObject *tracer, *fb, *mode;
+    static char *kwlist[] = {"tracer", "fallback", "mode", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO", kwlist, &tracer, &fb, &mode)) return -1;
+    Py_INCREF(tracer);
+    Py_INCREF(fb);
+    Py_INCREF(mode);
+    Py_XSETREF(self->tracer, tracer);
+    Py_XSETREF(self->fallback, fb);
+    Py_XSETREF(self->self_, mode);
+    return 0;
+}
+
+static PyObject *Dispatch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Dispatch *self = (Dispatch *)type->tp_alloc(type, 0);
+    if (self != NULL) self->vectorcall = Dispatch_vectorcall;
+    return (PyObject *)self;
+}
+
+static int Dispatch_traverse(Dispatch *self, visitproc visit, void *arg) {
+    Py_VISIT(self->tracer);
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->self_);
+    return 0;
+}
+
+static int Dispatch_clear(Dispatch *self) {
+    Py_CLEAR(self->tracer);
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->self_);
+    return 0;
+}
+
+static void Dispatch_dealloc(Dispatch *self) {
+    PyObject_GC_UnTrack(self);
+    if (self->weakrefs != NULL) PyObject_ClearWeakRefs((PyObject *)self);
+    Dispatch_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Dispatch_get_self(Dispatch *self, void *closure) {
+    PyObject *r = self->self_ != NULL ? self->self_ : Py_None;
+    Py_INCREF(r);
+    return r;
+}
+
+static PyGetSetDef Dispatch_getset[] = {
+    {"__self__", (getter)Dispatch_get_self, NULL, "the dispatch mode", NULL},
+    {NULL},
+};
+
+static PyTypeObject DispatchType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "streamsan._ctracer.Dispatch",
+    .tp_basicsize = sizeof(Dispatch),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "Dispatch(tracer, fallback, mode): a dispatch mode's __torch_dispatch__ whose common case runs in C",
+    .tp_new = Dispatch_new,
+    .tp_init = (initproc)Dispatch_init,
+    .tp_dealloc = (destructor)Dispatch_dealloc,
+    .tp_traverse = (traverseproc)Dispatch_traverse,
+    .tp_clear = (inquiry)Dispatch_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Dispatch, vectorcall),
+    .tp_getset = Dispatch_getset,
+    .tp_weaklistoffset = offsetof(Dispatch, weakrefs),
+};
+
+static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"tensor_type", "raw_stream", "describe", "op", "alloc", "user_kind",
+                             "device_attr", "device_offset", NULL};
+    PyObject *tt, *rs, *desc, *op, *alloc, *uk, *da;
+    long off;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOUl", kwlist, &tt, &rs, &desc, &op, &alloc, &uk, &da,
+                                     &off))
+        return NULL;
+    Py_INCREF(tt);
+    Py_XSETREF(g_tensor_type, tt);
+    Py_INCREF(rs);
+    Py_XSETREF(g_raw_stream, rs);
+    Py_INCREF(desc);
+    Py_XSETREF(g_describe, desc);
+    Py_INCREF(op);
+    Py_XSETREF(g_op, op);
+    Py_INCREF(alloc);
+    Py_XSETREF(g_alloc, alloc);
+    g_alloc_code = PyLong_AsLong(alloc);
+    g_user_kind = PyLong_AsLong(uk);
+    Py_INCREF(da);
+    PyUnicode_InternInPlace(&da);
+    Py_XSETREF(g_dev_attr, da);
+    g_dev_offset = off;
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
+     "configure(tensor_type, raw_stream, describe, op, alloc, user_kind, device_attr, device_offset)"},
+    {NULL},
+};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "streamsan._ctracer",
+                                       "The torch tracer's common case in C (see the source's header).", -1,
+                                       methods};
+
+#define INTERN(var, text)                                                                                      \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL;
+
+PyMODINIT_FUNC PyInit__ctracer(void) {
+    INTERN(s_tracing, "tracing");
+    INTERN(s_plans, "plans");
+    INTERN(s_buffer, "buffer");
+    INTERN(s_events, "events");
+    INTERN(s_ctx, "ctx");
+    INTERN(s_agent_of, "agent_of");
+    INTERN(s_op_agent, "op_agent");
+    INTERN(s_saw_cuda, "saw_cuda");
+    INTERN(s_batch, "batch");
+    INTERN(s_engine_threads, "_engine_threads");
+    INTERN(s_stacks, "stacks");
+    INTERN(s_nbytes, "nbytes");
+    INTERN(s_data_ptr, "data_ptr");
+    INTERN(s_is_contiguous, "is_contiguous");
+    INTERN(s_get_device, "get_device");
+    INTERN(s_untyped_storage, "untyped_storage");
+    INTERN(s_range_in, "_range_in");
+    INTERN(s_outputs, "_outputs");
+    INTERN(s_place, "_place");
+    INTERN(s_fill_alloc_sizes, "_fill_alloc_sizes");
+    INTERN(s_engine_op, "_engine_op");
+    INTERN(s_flush, "flush");
+    INTERN(s_agent, "agent");
+    INTERN(s_stop_on_bug, "_stop_on_bug");
+    INTERN(s_fast, "fast");
+    INTERN(s_pin_memory, "pin_memory");
+    INTERN(s_kind, "_kind");
+    INTERN(s_ids, "ids");
+    INTERN(s_classify, "_classify");
+    INTERN(s_define, "define");
+    INTERN(s_no_frames, "_no_frames");
+    INTERN(s_key_users, "key_users");
+    INTERN(s_max_key, "max_key");
+    g_zero = PyLong_FromLong(0);
+    if (PyType_Ready(&DispatchType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL) return NULL;
+    Py_INCREF(&DispatchType);
+    if (PyModule_AddObject(m, "Dispatch", (PyObject *)&DispatchType) < 0) return NULL;
+    if (PyModule_AddIntConstant(m, "AVAILABLE", 1) < 0) return NULL;
+    return m;
+}
+
+#else /* before Python 3.11: no public frame API the stack capture needs; the Python tracer runs */
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "streamsan._ctracer",
+                                       "Not available before Python 3.11.", -1, NULL};
+
+PyMODINIT_FUNC PyInit__ctracer(void) {
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m != NULL && PyModule_AddIntConstant(m, "AVAILABLE", 0) < 0) return NULL;
+    return m;
+}
+
+#endif

@@ -1,0 +1,147 @@
+"""The C tracer (``streamsan/_ctracer.c``) against the Python tracer: the same program gives the same events.
+
+Both run on the CPU stand-in of ``bench/standin.py`` (the torch tracer with CPU tensors playing CUDA's part, each
+fresh output announced as an allocation and freed 8 ops later). Pointers differ between two runs of a program, so
+they are renamed in order of first appearance; everything else (op names, agents, ranges, stacks, allocation
+sizes and descriptions, event order) must be equal.
+"""
+
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+try:
+    from streamsan import _ctracer
+except ImportError:  # built without a C compiler
+    _ctracer = None
+
+pytestmark = pytest.mark.skipif(_ctracer is None or not _ctracer.AVAILABLE, reason="the C tracer is not built")
+
+from streamsan import events as E  # noqa: E402
+
+
+def program():
+    """A mix of what the C tracer handles itself (contiguous and strided inputs, lists, out= and in-place writes,
+    ops with no access, allocating ops, several outputs) and what it leaves to Python (copies)."""
+    torch.manual_seed(0)
+    keep = []
+    x = torch.randn(16, 32)
+    w = torch.randn(24, 32)
+    b = torch.randn(24)
+    keep += [x, w, b]
+    y = torch.nn.functional.linear(x, w, b)
+    y.add_(1.0)
+    t = y.t()  # a view: no access
+    z = t.contiguous()  # a strided read
+    y2 = y * 2
+    cat = torch.cat([y, y2], dim=0)
+    st = torch.stack([x, x])
+    parts = torch.split(cat, 8)
+    vals, idx = torch.topk(y, 3, dim=1)
+    ln = torch.nn.functional.layer_norm(x, (32,))
+    e = torch.empty(10)
+    zl = torch.zeros_like(x)
+    out = torch.empty(16, 32)
+    torch.mul(x, 3.0, out=out)
+    sm = torch.softmax(y, dim=-1)
+    s = sm.sum(dim=0)
+    c = x.clone()
+    c.copy_(x)  # a copy: the Python path's
+    ws = [torch.ones(4), torch.ones(4)]
+    torch._foreach_add_(ws, 1.0)
+    rows = torch.tensor([0, 2, 4])
+    sel = x.index_select(0, rows)
+    keep += [y, t, z, y2, cat, st, parts, vals, idx, ln, e, zl, out, sm, s, c, ws, rows, sel]
+    with pytest.raises(RuntimeError):
+        torch.mm(x, x)  # the op's own error reaches the program in both
+    return keep
+
+
+def canonical(events):
+    """Events with pointers renamed by first appearance."""
+    names: dict = {}
+
+    def ptr(p):
+        return names.setdefault(p, len(names))
+
+    def rng(r):
+        return (r[0], ptr(r[1])) + tuple(r[2:])
+
+    out = []
+    for ev in events:
+        kind = ev[0]
+        if kind in (E.ALLOC, E.FREE):
+            ev = ev[:2] + (ptr(ev[2]),) + ev[3:]
+        elif kind == E.OP:
+            ev = ev[:3] + (tuple(rng(r) for r in ev[3]), tuple(rng(r) for r in ev[4])) + ev[5:]
+        out.append(ev)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tracer_mod():
+    """The stand-in's tracer module, loaded once (it installs PyTorch's GPU trace callbacks)."""
+    import standin
+
+    mod = standin.load_tracer(None)
+    yield mod
+    mod._GpuTrace.active = None
+
+
+def run(tracer_mod, core):
+    import standin
+
+    declined = []
+    python_dispatch = tracer_mod._Mode.__torch_dispatch__.__code__
+
+    def count_declined(frame, event, arg):  # (a profile hook: no frame of its own on the stacks captured)
+        if event == "call" and frame.f_code is python_dispatch:
+            declined.append(frame.f_locals.get("func"))
+
+    got = []
+    kept = []  # (every op's output stays alive: no address is reused, so pointers can be renamed)
+    enter = standin.modes(tracer_mod, consumer=got.extend, keep=kept)
+    mode = enter("trace" if core == "c" else "trace-python")
+    sys.setprofile(count_declined)
+    try:
+        for _ in range(3):  # (the first time, each op's plan is made in Python)
+            kept.append(program())
+    finally:
+        sys.setprofile(None)
+        mode.__exit__(None, None, None)
+        mode.tracer.buffer.flush()
+        tracer_mod._GpuTrace.active = None
+    return canonical(got), declined, mode
+
+
+def test_same_events_as_the_python_tracer(tracer_mod):
+    (c_events, c_declined, _), (py_events, py_declined, _) = [
+        run(tracer_mod, core) for core in ("c", "python")]  # (one call site: the same stacks)
+    assert len(c_events) > 150
+    assert c_events == py_events
+    # the C tracer did the work: it left to Python only the ops it does not handle and the first call of each op
+    assert len(c_declined) < len(py_declined) / 2
+    assert any("copy_" in str(getattr(d, "func", d)) for d in c_declined)  # (the stand-in wraps each op)
+
+
+def test_internal_error_stops_tracing_and_the_program_goes_on(tracer_mod):
+    """A bug of streamsan's surfacing in the C path: tracing stops with a note, and the op's result is the
+    program's as without streamsan."""
+    import standin
+
+    enter = standin.modes(tracer_mod)
+    mode = enter("trace")
+    x = torch.ones(4)
+    x + 1  # the plan of add.Tensor is made (Python path)
+    mode.tracer.stacks.define = None  # breaks the C tracer's stack capture for a new call site
+    y = x + 2  # a new call site
+    mode.__exit__(None, None, None)
+    tracer_mod._GpuTrace.active = None
+    assert torch.equal(y, torch.full((4,), 3.0))
+    assert mode.tracer.stopped_on_bug
