@@ -13,7 +13,8 @@ Modes: ``plain``; ``floor`` (a TorchDispatchMode that only calls the op); ``call
 callbacks switched on, reaching no tracer: what the hooks scope pays from its first hooked region that uses a
 second stream on); ``record`` (streamsan tracing into a trace file, as each process under ``streamsan wrap`` does;
 the analysis runs afterwards in the wrapping process); ``inline`` (``streamsan.watch(helper=False)``: tracing plus
-in-process analysis); ``full`` (``streamsan.watch()``: tracing, the analysis in a helper process); ``hooks``
+in-process analysis); ``full`` (``streamsan.watch()``: tracing, the analysis in a helper process); ``full-py``
+(``full`` with the Python tracer alone, ``STREAMSAN_CORE=python``: what the C tracer saves); ``hooks``
 (``--scope hooks``: only inside the transformers cache hooks); ``csan`` (torch.cuda._sanitizer). GPU trace
 callbacks, once activated, stay on for the process, so each workload runs in its own process: plain and floor
 interleaved over ``--runs`` rounds (with ``hooks`` where no offloading cache turns the callbacks on), then
@@ -135,6 +136,9 @@ class Mode:
                                analyze=False).start()
         elif self.name == "inline":
             self.ctx = streamsan.watch(helper=False).start()
+        elif self.name == "full-py":
+            os.environ["STREAMSAN_CORE"] = "python"
+            self.ctx = streamsan.watch().start()
         elif self.name in ("full", "hooks"):
             self.ctx = streamsan.watch(scope="full" if self.name == "full" else "hooks").start()
         elif self.name == "csan":
@@ -153,6 +157,7 @@ class Mode:
         else:
             self.ctx.stop()
         self.ctx = None
+        os.environ.pop("STREAMSAN_CORE", None)
 
 
 def measure_rounds(names, fn, rounds, tmp):
@@ -175,7 +180,7 @@ def measure_rounds(names, fn, rounds, tmp):
 
 
 WORKLOADS = ("decode", "decode_offload", "micro", "big_decode", "big_prefill")
-MODES = ("plain", "floor", "callbacks", "record", "hooks", "inline", "full", "csan")
+MODES = ("plain", "floor", "callbacks", "record", "hooks", "inline", "full", "full-py", "csan")
 
 
 def run_workload(w, modes, runs, big_runs):
@@ -197,7 +202,8 @@ def run_workload(w, modes, runs, big_runs):
     # is measured with plain and floor, as a program under it runs.
     hooks_early = w in ("decode", "big_decode")
     before = [m for m in modes if m in ("plain", "floor") or (m == "hooks" and hooks_early)]
-    after = [m for m in modes if m in ("callbacks", "record", "inline", "full") or (m == "hooks" and not hooks_early)]
+    after = [m for m in modes if m in ("callbacks", "record", "inline", "full", "full-py")
+             or (m == "hooks" and not hooks_early)]
     after = [m for m in after if m not in skip]
     res = measure_rounds(before, fn, runs, tmp)
     from streamsan.tracers.torch import _GpuTrace

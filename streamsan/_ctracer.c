@@ -38,6 +38,9 @@ static PyObject *s_tracing, *s_plans, *s_buffer, *s_events, *s_ctx, *s_agent_of,
 typedef struct {
     PyObject_HEAD
     PyObject *tracer;
+    /* the tracer's attributes that never change, read once: */
+    PyObject *buffer, *agent_of, *stacks, *kinds, *ids, *engine_threads, *plans;
+    long key_users, max_key;
     PyObject *fallback; /* the mode's Python __torch_dispatch__, bound */
     PyObject *self_;    /* the mode (PyTorch checks `__torch_dispatch__.__self__`) */
     PyObject *weakrefs;
@@ -144,7 +147,8 @@ static long code_kind(PyObject *stacks, PyObject *kinds, PyCodeObject *code) {
 }
 
 /* StackTable.capture for a caller in C: the same key, the same ids, the same DEF_STACK events. */
-static PyObject *capture_stack(PyObject *stacks, PyObject *events) {
+static PyObject *capture_stack(Dispatch *d, PyObject *events) {
+    PyObject *stacks = d->stacks;
     PyObject *kinds = NULL, *key = NULL, *tkey = NULL, *result = NULL;
     PyFrameObject *first = PyEval_GetFrame(); /* borrowed */
     PyFrameObject *f = first;
@@ -152,8 +156,8 @@ static PyObject *capture_stack(PyObject *stacks, PyObject *events) {
     long key_users, max_key, k;
     Py_XINCREF(f);
     if (f == NULL) goto no_frames;
-    kinds = PyObject_GetAttr(stacks, s_kind);
-    if (kinds == NULL || !PyDict_Check(kinds)) goto error;
+    kinds = d->kinds;
+    Py_INCREF(kinds);
     code = PyFrame_GetCode(f);
     k = code_kind(stacks, kinds, code);
     while (k <= 0) { /* streamsan's own frames */
@@ -167,16 +171,8 @@ static PyObject *capture_stack(PyObject *stacks, PyObject *events) {
         code = PyFrame_GetCode(f);
         k = code_kind(stacks, kinds, code);
     }
-    {
-        PyObject *v = PyObject_GetAttr(stacks, s_key_users);
-        if (v == NULL) goto error;
-        key_users = PyLong_AsLong(v);
-        Py_DECREF(v);
-        v = PyObject_GetAttr(stacks, s_max_key);
-        if (v == NULL) goto error;
-        max_key = PyLong_AsLong(v);
-        Py_DECREF(v);
-    }
+    key_users = d->key_users;
+    max_key = d->max_key;
     key = PyList_New(0);
     if (key == NULL) goto error;
     {
@@ -213,10 +209,7 @@ static PyObject *capture_stack(PyObject *stacks, PyObject *events) {
     tkey = PyList_AsTuple(key);
     if (tkey == NULL) goto error;
     {
-        PyObject *ids = PyObject_GetAttr(stacks, s_ids);
-        if (ids == NULL) goto error;
-        PyObject *sid = PyDict_Check(ids) ? PyDict_GetItemWithError(ids, tkey) : NULL;
-        Py_DECREF(ids);
+        PyObject *sid = PyDict_GetItemWithError(d->ids, tkey);
         if (sid != NULL) {
             Py_INCREF(sid);
             result = sid;
@@ -244,10 +237,11 @@ done:
 
 /* Kind 2: an op with no accesses that may allocate (empty, empty_like...): size its allocations. `ran`/`out`
  * tell the caller whether the op ran (on error). */
-static PyObject *run_allocating(PyObject *tracer, PyObject *call, PyObject *args, PyObject *kwargs, int *ran,
+static PyObject *run_allocating(Dispatch *d, PyObject *call, PyObject *args, PyObject *kwargs, int *ran,
                                 PyObject **out_p) {
-    PyObject *buffer = PyObject_GetAttr(tracer, s_buffer);
-    if (buffer == NULL) return NULL;
+    PyObject *tracer = d->tracer;
+    PyObject *buffer = d->buffer;
+    Py_INCREF(buffer);
     PyObject *evs = PyObject_GetAttr(buffer, s_events);
     if (evs == NULL || !PyList_Check(evs)) {
         if (evs != NULL) PyErr_SetString(PyExc_TypeError, "buffer.events is not a list");
@@ -365,7 +359,7 @@ static long scan_args(PyObject *tracer, PyObject *tensor_args, PyObject *args, P
 
 /* Kind 3, after the scan found a device: everything `_dispatch` does from the agent on. `ran`/`out` tell the
  * caller whether the op ran (on error). */
-static PyObject *run_traced(PyObject *tracer, PyObject *plan, PyObject *call, PyObject *name, int fresh_outputs,
+static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObject *name, int fresh_outputs,
                             PyObject *args,
                             PyObject *kwargs, long dev, PyObject *reads, PyObject *writes, int *ran,
                             PyObject **out_p) {
@@ -373,9 +367,10 @@ static PyObject *run_traced(PyObject *tracer, PyObject *plan, PyObject *call, Py
              *out = NULL, *op = NULL, *devobj = NULL, *stacks = NULL;
     PyObject *result = NULL;
     PyObject *single = NULL; /* data pointer of a single contiguous output */
+    PyObject *tracer = d->tracer;
 
-    buffer = PyObject_GetAttr(tracer, s_buffer);
-    if (buffer == NULL) goto error;
+    buffer = d->buffer;
+    Py_INCREF(buffer);
     evs = PyObject_GetAttr(buffer, s_events);
     if (evs == NULL) goto error;
     if (!PyList_Check(evs)) {
@@ -394,14 +389,7 @@ static PyObject *run_traced(PyObject *tracer, PyObject *plan, PyObject *call, Py
             Py_DECREF(raw);
             goto error;
         }
-        PyObject *agent_of = PyObject_GetAttr(tracer, s_agent_of);
-        if (agent_of == NULL) {
-            Py_DECREF(raw);
-            Py_DECREF(key);
-            goto error;
-        }
-        PyObject *a = PyDict_Check(agent_of) ? PyDict_GetItemWithError(agent_of, key) : NULL;
-        Py_DECREF(agent_of);
+        PyObject *a = PyDict_GetItemWithError(d->agent_of, key);
         Py_DECREF(key);
         if (a == NULL && PyErr_Occurred()) {
             Py_DECREF(raw);
@@ -418,9 +406,9 @@ static PyObject *run_traced(PyObject *tracer, PyObject *plan, PyObject *call, Py
         Py_DECREF(raw);
         if (agent == NULL) goto error;
     }
-    stacks = PyObject_GetAttr(tracer, s_stacks);
-    if (stacks == NULL) goto error;
-    stack = capture_stack(stacks, evs);
+    stacks = d->stacks;
+    Py_INCREF(stacks);
+    stack = capture_stack(d, evs);
     if (stack == NULL) goto error;
     ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
     if (ident == NULL) goto error;
@@ -593,11 +581,7 @@ static PyObject *run_traced(PyObject *tracer, PyObject *plan, PyObject *call, Py
         }
     }
     {
-        PyObject *engine = PyObject_GetAttr(tracer, s_engine_threads);
-        if (engine == NULL) goto error;
-        int hit = 0;
-        if (PyObject_IsTrue(engine) > 0) hit = PySequence_Contains(engine, ident);
-        Py_DECREF(engine);
+        int hit = PySet_GET_SIZE(d->engine_threads) ? PySet_Contains(d->engine_threads, ident) : 0;
         if (hit < 0) goto error;
         if (hit) { /* an op of the autograd engine's threads: the Python method that handles them */
             PyObject *kw = kwargs != NULL ? kwargs : PyDict_New();
@@ -688,16 +672,10 @@ static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size
         if (pm == NULL && PyErr_Occurred()) return NULL;
         if (pm != NULL && PyObject_IsTrue(pm) != 0) return fallback(d, argv, nargs);
     }
-    PyObject *plans = PyObject_GetAttr(tracer, s_plans);
-    if (plans == NULL) {
-        PyErr_Clear();
-        return fallback(d, argv, nargs);
-    }
     PyObject *fid = PyLong_FromVoidPtr(func);
-    PyObject *plan = fid != NULL && PyDict_Check(plans) ? PyDict_GetItemWithError(plans, fid) : NULL;
+    PyObject *plan = fid != NULL ? PyDict_GetItemWithError(d->plans, fid) : NULL;
     Py_XDECREF(fid);
     Py_XINCREF(plan);
-    Py_DECREF(plans);
     if (plan == NULL) {
         PyErr_Clear();
         return fallback(d, argv, nargs); /* the first time: the Python path makes the plan */
@@ -717,7 +695,7 @@ static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size
     } else if (kind == 2) {
         int ran = 0;
         PyObject *out = NULL;
-        result = run_allocating(tracer, call, args, kwargs, &ran, &out);
+        result = run_allocating(d, call, args, kwargs, &ran, &out);
         if (result == NULL && ran >= 0) result = internal_error(d, func, args, kwargs, ran, out);
         Py_XDECREF(out);
     } else if (kind == 3) {
@@ -741,7 +719,7 @@ static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size
         } else {
             int ran = 0;
             PyObject *out = NULL;
-            result = run_traced(tracer, plan, call, PyTuple_GET_ITEM(fast, 2), PyObject_IsTrue(PyTuple_GET_ITEM(fast, 4)),
+            result = run_traced(d, plan, call, PyTuple_GET_ITEM(fast, 2), PyObject_IsTrue(PyTuple_GET_ITEM(fast, 4)),
                                 args, kwargs, dev, reads, writes, &ran, &out);
             if (result == NULL && ran >= 0) result = internal_error(d, func, args, kwargs, ran, out);
             Py_XDECREF(out);
@@ -756,6 +734,19 @@ static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size
     return result;
 }
 
+/* obj.<name> into *slot, checked to be a dict / set where asked (1 dict, 2 set). */
+static int read_attr(PyObject *obj, PyObject *name, PyObject **slot, int what) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    if ((what == 1 && !PyDict_Check(v)) || (what == 2 && !PySet_Check(v))) {
+        PyErr_Format(PyExc_TypeError, "tracer attribute %R has an unexpected type", name);
+        Py_DECREF(v);
+        return -1;
+    }
+    Py_XSETREF(*slot, v);
+    return 0;
+}
+
 static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
     PyObject *tracer, *fb, *mode;
     static char *kwlist[] = {"tracer", "fallback", "mode", NULL};
@@ -766,7 +757,21 @@ static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->tracer, tracer);
     Py_XSETREF(self->fallback, fb);
     Py_XSETREF(self->self_, mode);
-    return 0;
+    PyObject *users = NULL, *max_key = NULL;
+    if (read_attr(tracer, s_buffer, &self->buffer, 0) < 0 || read_attr(tracer, s_agent_of, &self->agent_of, 1) < 0 ||
+        read_attr(tracer, s_stacks, &self->stacks, 0) < 0 || read_attr(self->stacks, s_kind, &self->kinds, 1) < 0 ||
+        read_attr(self->stacks, s_ids, &self->ids, 1) < 0 ||
+        read_attr(tracer, s_engine_threads, &self->engine_threads, 2) < 0 ||
+        read_attr(tracer, s_plans, &self->plans, 1) < 0 || read_attr(self->stacks, s_key_users, &users, 0) < 0 ||
+        read_attr(self->stacks, s_max_key, &max_key, 0) < 0) {
+        Py_XDECREF(users);
+        return -1;
+    }
+    self->key_users = PyLong_AsLong(users);
+    self->max_key = PyLong_AsLong(max_key);
+    Py_DECREF(users);
+    Py_DECREF(max_key);
+    return PyErr_Occurred() ? -1 : 0;
 }
 
 static PyObject *Dispatch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -776,6 +781,13 @@ static PyObject *Dispatch_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 }
 
 static int Dispatch_traverse(Dispatch *self, visitproc visit, void *arg) {
+    Py_VISIT(self->buffer);
+    Py_VISIT(self->agent_of);
+    Py_VISIT(self->stacks);
+    Py_VISIT(self->kinds);
+    Py_VISIT(self->ids);
+    Py_VISIT(self->engine_threads);
+    Py_VISIT(self->plans);
     Py_VISIT(self->tracer);
     Py_VISIT(self->fallback);
     Py_VISIT(self->self_);
@@ -783,6 +795,13 @@ static int Dispatch_traverse(Dispatch *self, visitproc visit, void *arg) {
 }
 
 static int Dispatch_clear(Dispatch *self) {
+    Py_CLEAR(self->buffer);
+    Py_CLEAR(self->agent_of);
+    Py_CLEAR(self->stacks);
+    Py_CLEAR(self->kinds);
+    Py_CLEAR(self->ids);
+    Py_CLEAR(self->engine_threads);
+    Py_CLEAR(self->plans);
     Py_CLEAR(self->tracer);
     Py_CLEAR(self->fallback);
     Py_CLEAR(self->self_);

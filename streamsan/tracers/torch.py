@@ -204,7 +204,10 @@ class _Mode(TorchDispatchMode):
         if dispatch is not None and type(self).__torch_dispatch__ is _Mode.__torch_dispatch__:
             # PyTorch calls this instance attribute: the C tracer, which leaves what it does not handle to the
             # method below
-            self.__torch_dispatch__ = dispatch(tracer, _Mode.__torch_dispatch__.__get__(self), self)
+            try:
+                self.__torch_dispatch__ = dispatch(tracer, _Mode.__torch_dispatch__.__get__(self), self)
+            except (TypeError, AttributeError) as exc:  # a tracer it does not know: the Python tracer alone
+                tracer._note_once("c-tracer", f"the C tracer is off ({exc}); the Python tracer runs alone")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.tracer.tracing:
