@@ -10,7 +10,8 @@
  * tests compare the two event streams on the same programs.
  *
  * Plan kinds (`OpPlan.fast[0]`): 0 the Python path only; 1 no access, no fresh output (call the op);
- * 2 no access, fresh outputs (call the op, size its allocations); 3 an op with accesses.
+ * 2 no access, fresh outputs (call the op, size its allocations); 3 an op with accesses (copies between device
+ * tensors too; a copy with a `device` argument, to or from the host, is the Python path's).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,7 +34,7 @@ static PyObject *s_tracing, *s_plans, *s_buffer, *s_events, *s_ctx, *s_agent_of,
     *s_batch, *s_engine_threads, *s_stacks, *s_nbytes, *s_data_ptr, *s_is_contiguous, *s_get_device,
     *s_untyped_storage, *s_range_in, *s_outputs, *s_place, *s_fill_alloc_sizes, *s_engine_op, *s_flush, *s_agent,
     *s_stop_on_bug, *s_fast, *s_pin_memory, *s_kind, *s_ids, *s_classify, *s_define, *s_no_frames, *s_key_users,
-    *s_max_key;
+    *s_max_key, *s_device;
 
 typedef struct {
     PyObject_HEAD
@@ -294,8 +295,8 @@ static int add_range(PyObject *r, int is_write, PyObject *reads, PyObject *write
 
 /* Read one op's accesses from its arguments (kind 3). Returns the device (>= 0), -1 for none, -3 to decline,
  * -2 on error. */
-static long scan_args(PyObject *tracer, PyObject *tensor_args, PyObject *args, PyObject *kwargs, PyObject *reads,
-                      PyObject *writes) {
+static long scan_args(PyObject *tracer, PyObject *tensor_args, int is_copy, PyObject *args, PyObject *kwargs,
+                      PyObject *reads, PyObject *writes) {
     long dev = -1;
     Py_ssize_t nargs = PyTuple_GET_SIZE(args);
     Py_ssize_t na = PyTuple_GET_SIZE(tensor_args);
@@ -351,7 +352,7 @@ static long scan_args(PyObject *tracer, PyObject *tensor_args, PyObject *args, P
         if (!isdev) return -3; /* a CPU tensor (pinned memory, copies) or another device */
         long d = device_of(v);
         if (d == -2) return -2;
-        if (dev < 0) dev = d;
+        if (dev < 0 || (is_copy && !is_write)) dev = d; /* a copy runs on its source's device */
         if (add_range(tensor_range(tracer, v, d), is_write, reads, writes) < 0) return -2;
     }
     return dev;
@@ -681,7 +682,7 @@ static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size
         return fallback(d, argv, nargs); /* the first time: the Python path makes the plan */
     }
     PyObject *fast = PyObject_GetAttr(plan, s_fast);
-    if (fast == NULL || !PyTuple_Check(fast) || PyTuple_GET_SIZE(fast) != 5) {
+    if (fast == NULL || !PyTuple_Check(fast) || PyTuple_GET_SIZE(fast) != 6) {
         Py_DECREF(plan);
         Py_XDECREF(fast);
         PyErr_Clear();
@@ -707,7 +708,10 @@ static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size
             Py_DECREF(plan);
             return NULL;
         }
-        long dev = scan_args(tracer, PyTuple_GET_ITEM(fast, 3), args, kwargs, reads, writes);
+        int is_copy = PyObject_IsTrue(PyTuple_GET_ITEM(fast, 5));
+        long dev = -3; /* a copy naming a device (to or from the host, maybe pinned): the Python path's */
+        if (!is_copy || kwargs == NULL || !PyDict_Contains(kwargs, s_device))
+            dev = scan_args(tracer, PyTuple_GET_ITEM(fast, 3), is_copy, args, kwargs, reads, writes);
         if (dev == -3 || (dev == -1 && PyObject_IsTrue(PyTuple_GET_ITEM(fast, 4)))) {
             result = fallback(d, argv, nargs);
         } else if (dev == -1 && PyList_GET_SIZE(reads) == 0 && PyList_GET_SIZE(writes) == 0) {
@@ -843,12 +847,196 @@ static PyTypeObject DispatchType = {
     .tp_weaklistoffset = offsetof(Dispatch, weakrefs),
 };
 
+/* PyTorch's allocation and free callbacks, the hottest two (`_GpuTrace.install`): the common case here, the rest
+ * (and any failure before a change) by the Python callback it was made from. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *gputrace; /* the _GpuTrace class: its `active` tracer */
+    PyObject *fallback; /* the Python callback */
+    int is_free;
+    vectorcallfunc vectorcall;
+} Callback;
+
+static PyObject *s_active, *s_live_device, *s_pool_of_thread, *s_engine_grads;
+static PyObject *g_free_kind, *g_empty_str;
+
+/* The active tracer if it is tracing (new reference), Py_None (borrowed, not tracing), or NULL (error). */
+static PyObject *active_tracer(Callback *c) {
+    PyObject *t = PyObject_GetAttr(c->gputrace, s_active);
+    if (t == NULL) return NULL;
+    if (t == Py_None) {
+        Py_DECREF(t);
+        return Py_None;
+    }
+    int tracing = attr_true(t, s_tracing);
+    if (tracing <= 0) {
+        Py_DECREF(t);
+        return tracing < 0 ? NULL : Py_None;
+    }
+    return t;
+}
+
+static int on_alloc(PyObject *t, PyObject *ptr) {
+    /* 1 done, 0 the Python callback's case, -1 error */
+    PyObject *cur = PyObject_GetAttr(t, s_op_agent);
+    if (cur == NULL) return -1;
+    int rc = 0;
+    if (PyTuple_Check(cur) && PyTuple_GET_SIZE(cur) == 5) {
+        PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+        int mine = ident != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(cur, 4), ident, Py_EQ) : -1;
+        Py_XDECREF(ident);
+        int pools = mine > 0 ? attr_true(t, s_pool_of_thread) : 0;
+        if (mine < 0 || pools < 0) {
+            rc = -1;
+        } else if (mine && !pools) {
+            PyObject *live = PyObject_GetAttr(t, s_live_device);
+            PyObject *buffer = live != NULL ? PyObject_GetAttr(t, s_buffer) : NULL;
+            PyObject *evs = buffer != NULL ? PyObject_GetAttr(buffer, s_events) : NULL;
+            if (evs == NULL || !PyList_Check(evs) || !PyDict_Check(live)) {
+                rc = -1;
+            } else {
+                PyObject *ev = PyTuple_Pack(8, g_alloc, PyTuple_GET_ITEM(cur, 0), ptr, g_zero, PyTuple_GET_ITEM(cur, 1),
+                                            PyTuple_GET_ITEM(cur, 2), PyTuple_GET_ITEM(cur, 3), g_empty_str);
+                if (ev == NULL || PyDict_SetItem(live, ptr, PyTuple_GET_ITEM(cur, 0)) < 0 || PyList_Append(evs, ev) < 0)
+                    rc = -1;
+                else
+                    rc = 1;
+                Py_XDECREF(ev);
+            }
+            Py_XDECREF(live);
+            Py_XDECREF(buffer);
+            Py_XDECREF(evs);
+        }
+    }
+    Py_DECREF(cur);
+    return rc;
+}
+
+static int on_free(PyObject *t, PyObject *ptr) {
+    PyObject *live = PyObject_GetAttr(t, s_live_device);
+    if (live == NULL) return -1;
+    if (!PyDict_Check(live)) {
+        Py_DECREF(live);
+        return 0;
+    }
+    PyObject *dev = PyDict_GetItemWithError(live, ptr);
+    if (dev == NULL) {
+        Py_DECREF(live);
+        return PyErr_Occurred() ? -1 : 1; /* not a block of the tracer's */
+    }
+    Py_INCREF(dev);
+    int rc = PyDict_DelItem(live, ptr);
+    Py_DECREF(live);
+    PyObject *buffer = rc == 0 ? PyObject_GetAttr(t, s_buffer) : NULL;
+    PyObject *evs = buffer != NULL ? PyObject_GetAttr(buffer, s_events) : NULL;
+    PyObject *ev = evs != NULL ? PyTuple_Pack(4, g_free_kind, dev, ptr, g_zero) : NULL;
+    Py_DECREF(dev);
+    rc = ev != NULL && PyList_Check(evs) && PyList_Append(evs, ev) == 0 ? 1 : -1;
+    if (rc == 1) {
+        /* as TorchTracer._emit: flush once callbacks alone have filled the buffer several times over, outside ops */
+        PyObject *batch = PyObject_GetAttr(buffer, s_batch);
+        Py_ssize_t b = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
+        Py_XDECREF(batch);
+        if (b < 0) {
+            rc = -1;
+        } else if (PyList_GET_SIZE(evs) >= 4 * b) {
+            PyObject *cur = PyObject_GetAttr(t, s_op_agent);
+            if (cur == NULL) {
+                rc = -1;
+            } else {
+                if (cur == Py_None) {
+                    PyObject *r = call_method0(buffer, s_flush);
+                    if (r == NULL) rc = -1;
+                    Py_XDECREF(r);
+                }
+                Py_DECREF(cur);
+            }
+        }
+    }
+    if (rc == 1) {
+        PyObject *grads = PyObject_GetAttr(t, s_engine_grads);
+        if (grads == NULL || (PySet_Check(grads) && PySet_GET_SIZE(grads) && PySet_Discard(grads, ptr) < 0)) rc = -1;
+        Py_XDECREF(grads);
+    }
+    Py_XDECREF(ev);
+    Py_XDECREF(evs);
+    Py_XDECREF(buffer);
+    return rc;
+}
+
+static PyObject *Callback_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    Callback *c = (Callback *)self;
+    if (kwnames != NULL || PyVectorcall_NARGS(nargsf) != 1) return PyObject_Vectorcall(c->fallback, argv, nargsf, kwnames);
+    PyObject *t = active_tracer(c);
+    if (t == Py_None) Py_RETURN_NONE;
+    int rc = -1;
+    if (t != NULL) {
+        rc = c->is_free ? on_free(t, argv[0]) : on_alloc(t, argv[0]);
+        Py_DECREF(t);
+    }
+    if (rc == 1) Py_RETURN_NONE;
+    if (rc < 0) PyErr_Clear(); /* the Python callback meets the same failure, and logs it */
+    return PyObject_Vectorcall(c->fallback, argv, nargsf, NULL);
+}
+
+static int Callback_init(Callback *self, PyObject *args, PyObject *kwds) {
+    PyObject *gputrace, *fb;
+    int is_free;
+    static char *kwlist[] = {"gputrace", "fallback", "is_free", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOp", kwlist, &gputrace, &fb, &is_free)) return -1;
+    Py_INCREF(gputrace);
+    Py_INCREF(fb);
+    Py_XSETREF(self->gputrace, gputrace);
+    Py_XSETREF(self->fallback, fb);
+    self->is_free = is_free;
+    return 0;
+}
+
+static PyObject *Callback_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Callback *self = (Callback *)type->tp_alloc(type, 0);
+    if (self != NULL) self->vectorcall = Callback_vectorcall;
+    return (PyObject *)self;
+}
+
+static int Callback_traverse(Callback *self, visitproc visit, void *arg) {
+    Py_VISIT(self->gputrace);
+    Py_VISIT(self->fallback);
+    return 0;
+}
+
+static int Callback_clear(Callback *self) {
+    Py_CLEAR(self->gputrace);
+    Py_CLEAR(self->fallback);
+    return 0;
+}
+
+static void Callback_dealloc(Callback *self) {
+    PyObject_GC_UnTrack(self);
+    Callback_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject CallbackType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "streamsan._ctracer.Callback",
+    .tp_basicsize = sizeof(Callback),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "Callback(gputrace, fallback, is_free): PyTorch's allocation (or free) callback, its common case in C",
+    .tp_new = Callback_new,
+    .tp_init = (initproc)Callback_init,
+    .tp_dealloc = (destructor)Callback_dealloc,
+    .tp_traverse = (traverseproc)Callback_traverse,
+    .tp_clear = (inquiry)Callback_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Callback, vectorcall),
+};
+
 static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"tensor_type", "raw_stream", "describe", "op", "alloc", "user_kind",
+    static char *kwlist[] = {"tensor_type", "raw_stream", "describe", "op", "alloc", "free", "user_kind",
                              "device_attr", "device_offset", NULL};
-    PyObject *tt, *rs, *desc, *op, *alloc, *uk, *da;
+    PyObject *tt, *rs, *desc, *op, *alloc, *fr, *uk, *da;
     long off;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOUl", kwlist, &tt, &rs, &desc, &op, &alloc, &uk, &da,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOUl", kwlist, &tt, &rs, &desc, &op, &alloc, &fr, &uk, &da,
                                      &off))
         return NULL;
     Py_INCREF(tt);
@@ -861,6 +1049,8 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwds) {
     Py_XSETREF(g_op, op);
     Py_INCREF(alloc);
     Py_XSETREF(g_alloc, alloc);
+    Py_INCREF(fr);
+    Py_XSETREF(g_free_kind, fr);
     g_alloc_code = PyLong_AsLong(alloc);
     g_user_kind = PyLong_AsLong(uk);
     Py_INCREF(da);
@@ -873,7 +1063,7 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwds) {
 
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(tensor_type, raw_stream, describe, op, alloc, user_kind, device_attr, device_offset)"},
+     "configure(tensor_type, raw_stream, describe, op, alloc, free, user_kind, device_attr, device_offset)"},
     {NULL},
 };
 
@@ -918,12 +1108,20 @@ PyMODINIT_FUNC PyInit__ctracer(void) {
     INTERN(s_no_frames, "_no_frames");
     INTERN(s_key_users, "key_users");
     INTERN(s_max_key, "max_key");
+    INTERN(s_device, "device");
+    INTERN(s_active, "active");
+    INTERN(s_live_device, "live_device");
+    INTERN(s_pool_of_thread, "pool_of_thread");
+    INTERN(s_engine_grads, "_engine_grads");
+    g_empty_str = PyUnicode_InternFromString("");
     g_zero = PyLong_FromLong(0);
-    if (PyType_Ready(&DispatchType) < 0) return NULL;
+    if (PyType_Ready(&DispatchType) < 0 || PyType_Ready(&CallbackType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
     Py_INCREF(&DispatchType);
     if (PyModule_AddObject(m, "Dispatch", (PyObject *)&DispatchType) < 0) return NULL;
+    Py_INCREF(&CallbackType);
+    if (PyModule_AddObject(m, "Callback", (PyObject *)&CallbackType) < 0) return NULL;
     if (PyModule_AddIntConstant(m, "AVAILABLE", 1) < 0) return NULL;
     return m;
 }

@@ -3,7 +3,8 @@
 :class:`AnalysisHelper` starts a Python process in isolated mode that runs :func:`main` (streamsan's core
 only: no torch, no CuPy, no tracing of its own) and sends it each batch of events through a pipe; the helper
 runs the :class:`~streamsan.analyzer.Analyzer` on another core and, when asked, sends the analyzer back.
-Frames on the pipe: one kind byte, a 4-byte little-endian length, the payload. To the helper: ``B`` a
+Once started, the helper writes one byte, ``+`` (ready). Frames on the pipe: one kind byte, a 4-byte little-endian
+length, the payload. To the helper: ``B`` a
 marshalled batch, ``Q`` a query (reply: the pickled analyzer and the helper's problems so far), ``E`` the end
 (the same reply, then the helper exits).
 
@@ -30,6 +31,8 @@ _HEADER = struct.Struct("<cI")
 # means it is stuck: it is killed and the report says so.
 REPLY_TIMEOUT = 120.0
 PIPE_BYTES = 1 << 20
+READY_TIMEOUT = 30.0  # seconds for the helper to start
+_READY = b"+"
 _helpers: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -61,8 +64,15 @@ class AnalysisHelper:
                 self._proc = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.PIPE,
                                               stdout=subprocess.PIPE, close_fds=True, bufsize=0)
                 _widen_pipe(self._proc.stdin.fileno())
-            except (OSError, ValueError) as e:
+                # Wait until it is ready: else the program's first events fill the pipe while the helper starts,
+                # and the program waits for it in the middle of its run.
+                if _read(self._proc.stdout, 1, READY_TIMEOUT) != _READY:
+                    raise ValueError("it did not say it was ready")
+            except (OSError, ValueError, TimeoutError, EOFError) as e:
                 self.problem = f"the analysis helper could not start ({e})"
+                if self._proc is not None:
+                    self._proc.kill()
+                    self._reap()
         _helpers.add(self)
 
     @property
@@ -173,6 +183,8 @@ def main() -> int:
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     analyzer = Analyzer()
     problems: list[str] = []
+    out.write(_READY)
+    out.flush()
     while True:
         head = inp.read(_HEADER.size)
         if len(head) < _HEADER.size:

@@ -28,7 +28,7 @@ from streamsan import events as E  # noqa: E402
 
 def program():
     """A mix of what the C tracer handles itself (contiguous and strided inputs, lists, out= and in-place writes,
-    ops with no access, allocating ops, several outputs) and what it leaves to Python (copies)."""
+    ops with no access, allocating ops, several outputs, copies) and what it leaves to Python (factories)."""
     torch.manual_seed(0)
     keep = []
     x = torch.randn(16, 32)
@@ -52,7 +52,7 @@ def program():
     sm = torch.softmax(y, dim=-1)
     s = sm.sum(dim=0)
     c = x.clone()
-    c.copy_(x)  # a copy: the Python path's
+    c.copy_(x)  # a copy between device tensors
     ws = [torch.ones(4), torch.ones(4)]
     torch._foreach_add_(ws, 1.0)
     rows = torch.tensor([0, 2, 4])
@@ -127,7 +127,8 @@ def test_same_events_as_the_python_tracer(tracer_mod):
     assert c_events == py_events
     # the C tracer did the work: it left to Python only the ops it does not handle and the first call of each op
     assert len(c_declined) < len(py_declined) / 2
-    assert any("copy_" in str(getattr(d, "func", d)) for d in c_declined)  # (the stand-in wraps each op)
+    # factories (no tensor to read a device from) stay Python's, every time (the stand-in wraps each op)
+    assert sum("randn" in str(getattr(d, "func", d)) for d in c_declined) == 3 * 3
 
 
 def test_internal_error_stops_tracing_and_the_program_goes_on(tracer_mod):
@@ -145,3 +146,52 @@ def test_internal_error_stops_tracing_and_the_program_goes_on(tracer_mod):
     tracer_mod._GpuTrace.active = None
     assert torch.equal(y, torch.full((4,), 3.0))
     assert mode.tracer.stopped_on_bug
+
+
+def test_allocation_callbacks_match_the_python_ones(tracer_mod):
+    """PyTorch's allocation and free callbacks in C against the Python ones, on the same tracer states: inside an
+    op of this thread, outside one, inside a memory pool, a free of a block seen and of one not seen."""
+    import threading
+
+    from streamsan.agents import StreamRegistry
+    from streamsan.sink import EventBuffer
+    from streamsan.stacks import StackTable
+
+    from streamsan import _ctracer as c
+
+    gt = tracer_mod._GpuTrace
+    gt.install()
+    py_alloc, py_free = gt.python_callbacks
+
+    def state():
+        buf = EventBuffer([], batch=2)  # (small: the free path's flush rule is reached)
+        tr = tracer_mod.TorchTracer(buf, StreamRegistry(buf), StackTable())
+        tr.running = tr.tracing = True
+        return tr
+
+    def drive(alloc, free):
+        tr = state()
+        gt.active = tr
+        try:
+            tr.op_agent = (0, 3, 7, 0, threading.get_ident())
+            alloc(1000)
+            tr.pool_of_thread[threading.get_ident()] = 5
+            alloc(2000)  # in a pool: the Python path's
+            tr.pool_of_thread.clear()
+            tr.op_agent = (0, 3, 7, 0, threading.get_ident() + 1)  # another thread's op
+            alloc(3000)
+            tr.op_agent = None
+            alloc(4000)
+            for p in (1000, 2000, 9999, 3000, 4000):
+                free(p)
+            tr._engine_grads.add(1000)
+            alloc(1000)
+            free(1000)
+            return list(tr.buffer.events), dict(tr.live_device), set(tr._engine_grads), tr.buffer.total
+        finally:
+            gt.active = None
+
+    expected = drive(py_alloc, py_free)
+    got = drive(c.Callback(gt, py_alloc, False), c.Callback(gt, py_free, True))
+    assert got == expected
+    assert any(ev[0] == E.FREE for ev in expected[0]) and expected[3] > 0  # (something was freed and flushed)

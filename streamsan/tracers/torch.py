@@ -107,7 +107,7 @@ class OpPlan:
     of lists, ``Tensor[][]``, is flattened at dispatch).
     ``fresh_outputs``: whether returned tensors are new memory the op writes. ``skip``: no access at all.
     ``call``: what runs the op (:func:`_direct_call`). ``fast``: what the C tracer reads (``streamsan/_ctracer.c``):
-    (kind, call, name, tensor_args, fresh_outputs), kind 0 for ops only the Python path handles.
+    (kind, call, name, tensor_args, fresh_outputs, is_copy), kind 0 for ops only the Python path handles.
     """
 
     __slots__ = ("func", "call", "name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy",
@@ -151,8 +151,8 @@ class OpPlan:
         if self.skip:
             kind = _FAST_NONE if self.record_stream else _FAST_ALLOCATING if self.fresh_outputs else _FAST_UNTOUCHED
         else:
-            kind = _FAST_NONE if self.pinning_or_copy or self.collective else _FAST_ACCESSES
-        self.fast = (kind, self.call, self.name, self.tensor_args, self.fresh_outputs)
+            kind = _FAST_NONE if self.pinning or self.collective else _FAST_ACCESSES
+        self.fast = (kind, self.call, self.name, self.tensor_args, self.fresh_outputs, self.is_copy)
 
 
 # OpPlan.fast kinds: what the C tracer does with an op (streamsan/_ctracer.c)
@@ -200,12 +200,12 @@ class _Mode(TorchDispatchMode):
     def __init__(self, tracer):
         super().__init__()
         self.tracer = tracer
-        dispatch = _c_dispatch()
-        if dispatch is not None and type(self).__torch_dispatch__ is _Mode.__torch_dispatch__:
+        ctracer = _c_tracer()
+        if ctracer is not None and type(self).__torch_dispatch__ is _Mode.__torch_dispatch__:
             # PyTorch calls this instance attribute: the C tracer, which leaves what it does not handle to the
             # method below
             try:
-                self.__torch_dispatch__ = dispatch(tracer, _Mode.__torch_dispatch__.__get__(self), self)
+                self.__torch_dispatch__ = ctracer.Dispatch(tracer, _Mode.__torch_dispatch__.__get__(self), self)
             except (TypeError, AttributeError) as exc:  # a tracer it does not know: the Python tracer alone
                 tracer._note_once("c-tracer", f"the C tracer is off ({exc}); the Python tracer runs alone")
 
@@ -240,8 +240,8 @@ class _Mode(TorchDispatchMode):
             return ran[1] if ran[0] else func(*args, **kwargs)
 
 
-def _c_dispatch():
-    """The C tracer's ``Dispatch`` type (``streamsan/_ctracer.c``), configured for this module, or None: not built
+def _c_tracer():
+    """The C tracer (``streamsan/_ctracer.c``), configured for this module, or None: not built
     (no C compiler at install), Python before 3.11, or ``STREAMSAN_CORE=python`` in the environment."""
     if os.environ.get("STREAMSAN_CORE", "").strip().lower() == "python" or _cuda_raw_stream is None:
         return None
@@ -251,8 +251,9 @@ def _c_dispatch():
         return None
     if not getattr(_ctracer, "AVAILABLE", 0):
         return None
-    _ctracer.configure(_Tensor, _cuda_raw_stream, describe, E.OP, E.ALLOC, USER, _C_DEVICE_ATTR, _C_DEVICE_OFFSET)
-    return _ctracer.Dispatch
+    _ctracer.configure(_Tensor, _cuda_raw_stream, describe, E.OP, E.ALLOC, E.FREE, USER, _C_DEVICE_ATTR,
+                       _C_DEVICE_OFFSET)
+    return _ctracer
 
 
 # Which tensors the C tracer takes for device tensors, and what it adds to their get_device() (the CPU stand-in of
@@ -331,6 +332,7 @@ class _GpuTrace:
 
     active = None
     installed = False
+    python_callbacks = ()  # (allocation, free): the Python callbacks (the C tracer's fall back on them)
 
     @classmethod
     def install(cls) -> None:
@@ -375,6 +377,10 @@ class _GpuTrace:
                 except Exception:
                     _log_callback_error(gt.MemoryDeallocationCallbacks.name)
 
+        cls.python_callbacks = (on_alloc, on_free)
+        ctracer = _c_tracer()
+        if ctracer is not None:  # their common case in C
+            on_alloc, on_free = ctracer.Callback(cls, on_alloc, False), ctracer.Callback(cls, on_free, True)
         for registry, callback in (
                 (gt.EventDeletionCallbacks, on(gt.EventDeletionCallbacks, "_on_event_delete")),
                 (gt.EventRecordCallbacks, on(gt.EventRecordCallbacks, "_on_event_record")),

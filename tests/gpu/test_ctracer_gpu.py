@@ -115,8 +115,8 @@ def traced(fn, core, tmp_path):
 def test_c_and_python_tracers_agree(fn, tmp_path):
     fn()  # warm: the caching allocator's blocks exist
     fn()
-    c_events, c_findings, c_declined = traced(fn, "c", tmp_path)
-    py_events, py_findings, py_declined = traced(fn, "python", tmp_path)
+    (c_events, c_findings, c_declined), (py_events, py_findings, py_declined) = [
+        traced(fn, core, tmp_path) for core in ("c", "python")]  # (one call site: the same stacks)
     assert c_findings == py_findings
     assert c_findings  # every program here has a race
     assert c_events == py_events
