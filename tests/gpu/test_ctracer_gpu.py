@@ -62,7 +62,10 @@ def offloaded_decode():
 
 
 def canonical(events):
+    """Events with pointers, stream handles and event handles renamed in order of first appearance (each run of a
+    program gets other streams from PyTorch's pool, and other CUDA events)."""
     names: dict = {}
+    handles: dict = {}
 
     def tup(x):
         return tuple(tup(y) for y in x) if isinstance(x, (list, tuple)) else x
@@ -70,10 +73,17 @@ def canonical(events):
     def ptr(p):
         return names.setdefault(p, len(names))
 
+    def handle(h):
+        return handles.setdefault(h, len(handles))
+
     out = []
     for ev in map(tup, events):
-        if ev[0] in (9, 10):  # ALLOC, FREE
+        if ev[0] in (9, 10, 11):  # ALLOC, FREE, RECORD_STREAM
             ev = ev[:2] + (ptr(ev[2]),) + ev[3:]
+        elif ev[0] == 2:  # STREAM
+            ev = ev[:3] + (handle(ev[3]),) + ev[4:]
+        elif ev[0] in (3, 4, 6, 13):  # events
+            ev = (ev[0], handle(ev[1])) + ev[2:]
         elif ev[0] == 8:  # OP
             ev = ev[:3] + (tuple((r[0], ptr(r[1])) + r[2:] for r in ev[3]),
                            tuple((r[0], ptr(r[1])) + r[2:] for r in ev[4])) + ev[5:]
