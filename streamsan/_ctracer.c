@@ -42,6 +42,13 @@ typedef struct {
     /* the tracer's attributes that never change, read once: */
     PyObject *buffer, *agent_of, *stacks, *kinds, *ids, *engine_threads, *plans;
     long key_users, max_key;
+    /* code object -> its kind in the stack table (a memo of `stacks._kind`, whose code objects the table keeps
+     * alive): open addressing, a power-of-two capacity */
+    struct KindSlot {
+        const void *code;
+        long kind;
+    } *memo;
+    size_t memo_cap, memo_used;
     PyObject *fallback; /* the mode's Python __torch_dispatch__, bound */
     PyObject *self_;    /* the mode (PyTorch checks `__torch_dispatch__.__self__`) */
     PyObject *weakrefs;
@@ -147,20 +154,51 @@ static long code_kind(PyObject *stacks, PyObject *kinds, PyCodeObject *code) {
     return PyLong_AsLong(k);
 }
 
+/* code_kind, memoized in the dispatch object: most ops walk twenty frames or more (up to the user's code). */
+static long memo_kind(Dispatch *d, PyCodeObject *code) {
+    size_t mask = d->memo_cap - 1;
+    if (d->memo_cap) {
+        for (size_t i = ((uintptr_t)code >> 4) & mask; d->memo[i].code != NULL; i = (i + 1) & mask) {
+            if (d->memo[i].code == code) return d->memo[i].kind;
+        }
+    }
+    long k = code_kind(d->stacks, d->kinds, code);
+    if (k < 0) return k;
+    if (2 * (d->memo_used + 1) > d->memo_cap) {
+        size_t cap = d->memo_cap ? 2 * d->memo_cap : 1024;
+        struct KindSlot *memo = PyMem_Calloc(cap, sizeof(struct KindSlot));
+        if (memo == NULL) return k; /* (no memo: still right) */
+        for (size_t j = 0; j < d->memo_cap; j++) {
+            if (d->memo[j].code == NULL) continue;
+            size_t i = ((uintptr_t)d->memo[j].code >> 4) & (cap - 1);
+            while (memo[i].code != NULL) i = (i + 1) & (cap - 1);
+            memo[i] = d->memo[j];
+        }
+        PyMem_Free(d->memo);
+        d->memo = memo;
+        d->memo_cap = cap;
+        mask = cap - 1;
+    }
+    size_t i = ((uintptr_t)code >> 4) & mask;
+    while (d->memo[i].code != NULL) i = (i + 1) & mask;
+    d->memo[i].code = code;
+    d->memo[i].kind = k;
+    d->memo_used++;
+    return k;
+}
+
 /* StackTable.capture for a caller in C: the same key, the same ids, the same DEF_STACK events. */
 static PyObject *capture_stack(Dispatch *d, PyObject *events) {
     PyObject *stacks = d->stacks;
-    PyObject *kinds = NULL, *key = NULL, *tkey = NULL, *result = NULL;
+    PyObject *key = NULL, *tkey = NULL, *result = NULL;
     PyFrameObject *first = PyEval_GetFrame(); /* borrowed */
     PyFrameObject *f = first;
     PyCodeObject *code = NULL;
     long key_users, max_key, k;
     Py_XINCREF(f);
     if (f == NULL) goto no_frames;
-    kinds = d->kinds;
-    Py_INCREF(kinds);
     code = PyFrame_GetCode(f);
-    k = code_kind(stacks, kinds, code);
+    k = memo_kind(d, code);
     while (k <= 0) { /* streamsan's own frames */
         if (k < 0 && PyErr_Occurred()) goto error;
         PyFrameObject *back = PyFrame_GetBack(f);
@@ -170,7 +208,7 @@ static PyObject *capture_stack(Dispatch *d, PyObject *events) {
         f = back;
         if (f == NULL) goto no_frames;
         code = PyFrame_GetCode(f);
-        k = code_kind(stacks, kinds, code);
+        k = memo_kind(d, code);
     }
     key_users = d->key_users;
     max_key = d->max_key;
@@ -194,7 +232,7 @@ static PyObject *capture_stack(Dispatch *d, PyObject *events) {
         f = back;
         if (f == NULL) break;
         code = PyFrame_GetCode(f);
-        k = code_kind(stacks, kinds, code);
+        k = memo_kind(d, code);
         if (k < 0 && PyErr_Occurred()) goto error;
         if (k == g_user_kind) {
             PyObject *cid = PyLong_FromVoidPtr(code);
@@ -230,7 +268,6 @@ error:
 done:
     Py_XDECREF(f);
     Py_XDECREF(code);
-    Py_XDECREF(kinds);
     Py_XDECREF(key);
     Py_XDECREF(tkey);
     return result;
@@ -814,6 +851,7 @@ static int Dispatch_clear(Dispatch *self) {
 
 static void Dispatch_dealloc(Dispatch *self) {
     PyObject_GC_UnTrack(self);
+    PyMem_Free(self->memo);
     if (self->weakrefs != NULL) PyObject_ClearWeakRefs((PyObject *)self);
     Dispatch_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -854,13 +892,15 @@ typedef struct {
     PyObject *gputrace; /* the _GpuTrace class: its `active` tracer */
     PyObject *fallback; /* the Python callback */
     int is_free;
+    /* the last active tracer and its attributes that never change */
+    PyObject *seen, *live, *buffer, *pools, *grads;
     vectorcallfunc vectorcall;
 } Callback;
 
 static PyObject *s_active, *s_live_device, *s_pool_of_thread, *s_engine_grads;
 static PyObject *g_free_kind, *g_empty_str;
 
-/* The active tracer if it is tracing (new reference), Py_None (borrowed, not tracing), or NULL (error). */
+/* The active tracer if it is tracing (borrowed, its attributes read), Py_None (not tracing), or NULL (error). */
 static PyObject *active_tracer(Callback *c) {
     PyObject *t = PyObject_GetAttr(c->gputrace, s_active);
     if (t == NULL) return NULL;
@@ -868,43 +908,57 @@ static PyObject *active_tracer(Callback *c) {
         Py_DECREF(t);
         return Py_None;
     }
-    int tracing = attr_true(t, s_tracing);
-    if (tracing <= 0) {
-        Py_DECREF(t);
-        return tracing < 0 ? NULL : Py_None;
+    if (t != c->seen) {
+        PyObject *live = PyObject_GetAttr(t, s_live_device), *buffer = PyObject_GetAttr(t, s_buffer),
+                 *pools = PyObject_GetAttr(t, s_pool_of_thread), *grads = PyObject_GetAttr(t, s_engine_grads);
+        if (live == NULL || buffer == NULL || pools == NULL || grads == NULL || !PyDict_Check(live) ||
+            !PyDict_Check(pools) || !PySet_Check(grads)) {
+            Py_XDECREF(live);
+            Py_XDECREF(buffer);
+            Py_XDECREF(pools);
+            Py_XDECREF(grads);
+            Py_DECREF(t);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a tracer of another kind");
+            return NULL;
+        }
+        Py_XSETREF(c->live, live);
+        Py_XSETREF(c->buffer, buffer);
+        Py_XSETREF(c->pools, pools);
+        Py_XSETREF(c->grads, grads);
+        Py_INCREF(t);
+        Py_XSETREF(c->seen, t);
     }
+    Py_DECREF(t); /* (c->seen holds it) */
+    int tracing = attr_true(t, s_tracing);
+    if (tracing <= 0) return tracing < 0 ? NULL : Py_None;
     return t;
 }
 
-static int on_alloc(PyObject *t, PyObject *ptr) {
-    /* 1 done, 0 the Python callback's case, -1 error */
+/* 1 done, 0 the Python callback's case, -1 error (nothing changed then). */
+static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
     PyObject *cur = PyObject_GetAttr(t, s_op_agent);
     if (cur == NULL) return -1;
     int rc = 0;
-    if (PyTuple_Check(cur) && PyTuple_GET_SIZE(cur) == 5) {
+    if (PyTuple_Check(cur) && PyTuple_GET_SIZE(cur) == 5 && PyDict_GET_SIZE(c->pools) == 0) {
         PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
         int mine = ident != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(cur, 4), ident, Py_EQ) : -1;
         Py_XDECREF(ident);
-        int pools = mine > 0 ? attr_true(t, s_pool_of_thread) : 0;
-        if (mine < 0 || pools < 0) {
+        if (mine < 0) {
             rc = -1;
-        } else if (mine && !pools) {
-            PyObject *live = PyObject_GetAttr(t, s_live_device);
-            PyObject *buffer = live != NULL ? PyObject_GetAttr(t, s_buffer) : NULL;
-            PyObject *evs = buffer != NULL ? PyObject_GetAttr(buffer, s_events) : NULL;
-            if (evs == NULL || !PyList_Check(evs) || !PyDict_Check(live)) {
+        } else if (mine) {
+            PyObject *evs = PyObject_GetAttr(c->buffer, s_events);
+            PyObject *ev = NULL;
+            if (evs == NULL || !PyList_Check(evs)) {
+                rc = -1;
+            } else if ((ev = PyTuple_Pack(8, g_alloc, PyTuple_GET_ITEM(cur, 0), ptr, g_zero, PyTuple_GET_ITEM(cur, 1),
+                                          PyTuple_GET_ITEM(cur, 2), PyTuple_GET_ITEM(cur, 3), g_empty_str)) == NULL) {
+                rc = -1;
+            } else if (PyDict_SetItem(c->live, ptr, PyTuple_GET_ITEM(cur, 0)) < 0) {
                 rc = -1;
             } else {
-                PyObject *ev = PyTuple_Pack(8, g_alloc, PyTuple_GET_ITEM(cur, 0), ptr, g_zero, PyTuple_GET_ITEM(cur, 1),
-                                            PyTuple_GET_ITEM(cur, 2), PyTuple_GET_ITEM(cur, 3), g_empty_str);
-                if (ev == NULL || PyDict_SetItem(live, ptr, PyTuple_GET_ITEM(cur, 0)) < 0 || PyList_Append(evs, ev) < 0)
-                    rc = -1;
-                else
-                    rc = 1;
-                Py_XDECREF(ev);
+                rc = PyList_Append(evs, ev) < 0 ? -1 : 1;
             }
-            Py_XDECREF(live);
-            Py_XDECREF(buffer);
+            Py_XDECREF(ev);
             Py_XDECREF(evs);
         }
     }
@@ -912,29 +966,20 @@ static int on_alloc(PyObject *t, PyObject *ptr) {
     return rc;
 }
 
-static int on_free(PyObject *t, PyObject *ptr) {
-    PyObject *live = PyObject_GetAttr(t, s_live_device);
-    if (live == NULL) return -1;
-    if (!PyDict_Check(live)) {
-        Py_DECREF(live);
-        return 0;
+static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
+    PyObject *dev = PyDict_GetItemWithError(c->live, ptr);
+    if (dev == NULL) return PyErr_Occurred() ? -1 : 1; /* not a block of the tracer's */
+    PyObject *evs = PyObject_GetAttr(c->buffer, s_events);
+    if (evs == NULL || !PyList_Check(evs)) {
+        Py_XDECREF(evs);
+        return -1;
     }
-    PyObject *dev = PyDict_GetItemWithError(live, ptr);
-    if (dev == NULL) {
-        Py_DECREF(live);
-        return PyErr_Occurred() ? -1 : 1; /* not a block of the tracer's */
-    }
-    Py_INCREF(dev);
-    int rc = PyDict_DelItem(live, ptr);
-    Py_DECREF(live);
-    PyObject *buffer = rc == 0 ? PyObject_GetAttr(t, s_buffer) : NULL;
-    PyObject *evs = buffer != NULL ? PyObject_GetAttr(buffer, s_events) : NULL;
-    PyObject *ev = evs != NULL ? PyTuple_Pack(4, g_free_kind, dev, ptr, g_zero) : NULL;
-    Py_DECREF(dev);
-    rc = ev != NULL && PyList_Check(evs) && PyList_Append(evs, ev) == 0 ? 1 : -1;
+    PyObject *ev = PyTuple_Pack(4, g_free_kind, dev, ptr, g_zero);
+    int rc = ev != NULL && PyDict_DelItem(c->live, ptr) == 0 && PyList_Append(evs, ev) == 0 ? 1 : -1;
+    Py_XDECREF(ev);
     if (rc == 1) {
         /* as TorchTracer._emit: flush once callbacks alone have filled the buffer several times over, outside ops */
-        PyObject *batch = PyObject_GetAttr(buffer, s_batch);
+        PyObject *batch = PyObject_GetAttr(c->buffer, s_batch);
         Py_ssize_t b = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
         Py_XDECREF(batch);
         if (b < 0) {
@@ -945,7 +990,7 @@ static int on_free(PyObject *t, PyObject *ptr) {
                 rc = -1;
             } else {
                 if (cur == Py_None) {
-                    PyObject *r = call_method0(buffer, s_flush);
+                    PyObject *r = call_method0(c->buffer, s_flush);
                     if (r == NULL) rc = -1;
                     Py_XDECREF(r);
                 }
@@ -953,14 +998,8 @@ static int on_free(PyObject *t, PyObject *ptr) {
             }
         }
     }
-    if (rc == 1) {
-        PyObject *grads = PyObject_GetAttr(t, s_engine_grads);
-        if (grads == NULL || (PySet_Check(grads) && PySet_GET_SIZE(grads) && PySet_Discard(grads, ptr) < 0)) rc = -1;
-        Py_XDECREF(grads);
-    }
-    Py_XDECREF(ev);
-    Py_XDECREF(evs);
-    Py_XDECREF(buffer);
+    if (rc == 1 && PySet_GET_SIZE(c->grads) && PySet_Discard(c->grads, ptr) < 0) rc = -1;
+    Py_DECREF(evs);
     return rc;
 }
 
@@ -970,10 +1009,7 @@ static PyObject *Callback_vectorcall(PyObject *self, PyObject *const *argv, size
     PyObject *t = active_tracer(c);
     if (t == Py_None) Py_RETURN_NONE;
     int rc = -1;
-    if (t != NULL) {
-        rc = c->is_free ? on_free(t, argv[0]) : on_alloc(t, argv[0]);
-        Py_DECREF(t);
-    }
+    if (t != NULL) rc = c->is_free ? on_free(c, t, argv[0]) : on_alloc(c, t, argv[0]);
     if (rc == 1) Py_RETURN_NONE;
     if (rc < 0) PyErr_Clear(); /* the Python callback meets the same failure, and logs it */
     return PyObject_Vectorcall(c->fallback, argv, nargsf, NULL);
@@ -999,12 +1035,22 @@ static PyObject *Callback_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 }
 
 static int Callback_traverse(Callback *self, visitproc visit, void *arg) {
+    Py_VISIT(self->seen);
+    Py_VISIT(self->live);
+    Py_VISIT(self->buffer);
+    Py_VISIT(self->pools);
+    Py_VISIT(self->grads);
     Py_VISIT(self->gputrace);
     Py_VISIT(self->fallback);
     return 0;
 }
 
 static int Callback_clear(Callback *self) {
+    Py_CLEAR(self->seen);
+    Py_CLEAR(self->live);
+    Py_CLEAR(self->buffer);
+    Py_CLEAR(self->pools);
+    Py_CLEAR(self->grads);
     Py_CLEAR(self->gputrace);
     Py_CLEAR(self->fallback);
     return 0;
