@@ -8,6 +8,7 @@ NVML (``pynvml`` from nvidia-ml-py, when installed) for the driver version and G
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import sys
 
@@ -59,9 +60,20 @@ def _nvml() -> tuple[str | None, list[str]]:
             pass
 
 
+def tracer_core() -> str:
+    """Which torch tracer runs: ``c`` (its common case in ``streamsan/_ctracer.c``), or ``python`` and why."""
+    if os.environ.get("STREAMSAN_CORE", "").strip().lower() == "python":
+        return "python (STREAMSAN_CORE=python)"
+    try:
+        from .. import _ctracer
+    except ImportError:
+        return "python (the C tracer was not built: no C compiler at install)"
+    return "c" if getattr(_ctracer, "AVAILABLE", 0) else "python (the C tracer needs Python 3.11 or later)"
+
+
 def collect_environment(command, import_missing: bool = True) -> dict:
-    """streamsan, Python, platform, torch (+ its CUDA runtime), CuPy, transformers, NVIDIA driver and GPUs,
-    and the command line. Unknown values are None. ``import_missing=False``: report torch only if the
+    """streamsan, Python, platform, torch (+ its CUDA runtime), the torch tracer (:func:`tracer_core`), CuPy,
+    transformers, NVIDIA driver and GPUs, and the command line. Unknown values are None. ``import_missing=False``: report torch only if the
     process imported it (a traced process at exit must not import what it never used)."""
     driver, gpus = _nvml()
     torch_version = _module_version("torch", import_if_available=import_missing)
@@ -71,6 +83,7 @@ def collect_environment(command, import_missing: bool = True) -> dict:
         "platform": platform.platform(),
         "torch": torch_version,
         "cuda_runtime": _torch_cuda() if torch_version else None,
+        "tracer": tracer_core(),
         "cupy": _module_version("cupy", import_if_available=False),
         "transformers": _module_version("transformers", import_if_available=False),
         "nvidia_driver": driver,
