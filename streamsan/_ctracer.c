@@ -815,6 +815,21 @@ static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
+/* The object fields of a C type here, by offset, for its GC slots. */
+static int visit_fields(PyObject *self, const Py_ssize_t *fields, visitproc visit, void *arg) {
+    for (; *fields >= 0; fields++) Py_VISIT(*(PyObject **)((char *)self + *fields));
+    return 0;
+}
+
+static void clear_fields(PyObject *self, const Py_ssize_t *fields) {
+    for (; *fields >= 0; fields++) Py_CLEAR(*(PyObject **)((char *)self + *fields));
+}
+
+static const Py_ssize_t dispatch_fields[] = {
+    offsetof(Dispatch, buffer), offsetof(Dispatch, agent_of), offsetof(Dispatch, stacks),
+    offsetof(Dispatch, kinds), offsetof(Dispatch, ids), offsetof(Dispatch, engine_threads),
+    offsetof(Dispatch, plans), offsetof(Dispatch, tracer), offsetof(Dispatch, fallback), offsetof(Dispatch, self_), -1};
+
 static PyObject *Dispatch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Dispatch *self = (Dispatch *)type->tp_alloc(type, 0);
     if (self != NULL) self->vectorcall = Dispatch_vectorcall;
@@ -822,30 +837,11 @@ static PyObject *Dispatch_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 }
 
 static int Dispatch_traverse(Dispatch *self, visitproc visit, void *arg) {
-    Py_VISIT(self->buffer);
-    Py_VISIT(self->agent_of);
-    Py_VISIT(self->stacks);
-    Py_VISIT(self->kinds);
-    Py_VISIT(self->ids);
-    Py_VISIT(self->engine_threads);
-    Py_VISIT(self->plans);
-    Py_VISIT(self->tracer);
-    Py_VISIT(self->fallback);
-    Py_VISIT(self->self_);
-    return 0;
+    return visit_fields((PyObject *)self, dispatch_fields, visit, arg);
 }
 
 static int Dispatch_clear(Dispatch *self) {
-    Py_CLEAR(self->buffer);
-    Py_CLEAR(self->agent_of);
-    Py_CLEAR(self->stacks);
-    Py_CLEAR(self->kinds);
-    Py_CLEAR(self->ids);
-    Py_CLEAR(self->engine_threads);
-    Py_CLEAR(self->plans);
-    Py_CLEAR(self->tracer);
-    Py_CLEAR(self->fallback);
-    Py_CLEAR(self->self_);
+    clear_fields((PyObject *)self, dispatch_fields);
     return 0;
 }
 
@@ -1034,25 +1030,16 @@ static PyObject *Callback_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     return (PyObject *)self;
 }
 
+static const Py_ssize_t callback_fields[] = {
+    offsetof(Callback, seen), offsetof(Callback, live), offsetof(Callback, buffer), offsetof(Callback, pools),
+    offsetof(Callback, grads), offsetof(Callback, gputrace), offsetof(Callback, fallback), -1};
+
 static int Callback_traverse(Callback *self, visitproc visit, void *arg) {
-    Py_VISIT(self->seen);
-    Py_VISIT(self->live);
-    Py_VISIT(self->buffer);
-    Py_VISIT(self->pools);
-    Py_VISIT(self->grads);
-    Py_VISIT(self->gputrace);
-    Py_VISIT(self->fallback);
-    return 0;
+    return visit_fields((PyObject *)self, callback_fields, visit, arg);
 }
 
 static int Callback_clear(Callback *self) {
-    Py_CLEAR(self->seen);
-    Py_CLEAR(self->live);
-    Py_CLEAR(self->buffer);
-    Py_CLEAR(self->pools);
-    Py_CLEAR(self->grads);
-    Py_CLEAR(self->gputrace);
-    Py_CLEAR(self->fallback);
+    clear_fields((PyObject *)self, callback_fields);
     return 0;
 }
 
