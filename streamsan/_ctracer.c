@@ -896,7 +896,8 @@ typedef struct {
 static PyObject *s_active, *s_live_device, *s_pool_of_thread, *s_engine_grads;
 static PyObject *g_free_kind, *g_empty_str;
 
-/* The active tracer if it is tracing (borrowed, its attributes read), Py_None (not tracing), or NULL (error). */
+/* The active tracer if it is tracing (a new reference; its fixed attributes read into c), Py_None (not tracing),
+ * or NULL (error). */
 static PyObject *active_tracer(Callback *c) {
     PyObject *t = PyObject_GetAttr(c->gputrace, s_active);
     if (t == NULL) return NULL;
@@ -924,9 +925,11 @@ static PyObject *active_tracer(Callback *c) {
         Py_INCREF(t);
         Py_XSETREF(c->seen, t);
     }
-    Py_DECREF(t); /* (c->seen holds it) */
     int tracing = attr_true(t, s_tracing);
-    if (tracing <= 0) return tracing < 0 ? NULL : Py_None;
+    if (tracing <= 0) {
+        Py_DECREF(t);
+        return tracing < 0 ? NULL : Py_None;
+    }
     return t;
 }
 
@@ -963,19 +966,24 @@ static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
 }
 
 static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
-    PyObject *dev = PyDict_GetItemWithError(c->live, ptr);
+    /* (the flush below runs Python code, where another thread may make another tracer active: this one's
+     * attributes are held here) */
+    PyObject *live = c->live, *buffer = c->buffer, *grads = c->grads;
+    PyObject *dev = PyDict_GetItemWithError(live, ptr);
     if (dev == NULL) return PyErr_Occurred() ? -1 : 1; /* not a block of the tracer's */
-    PyObject *evs = PyObject_GetAttr(c->buffer, s_events);
+    PyObject *evs = PyObject_GetAttr(buffer, s_events);
     if (evs == NULL || !PyList_Check(evs)) {
         Py_XDECREF(evs);
         return -1;
     }
+    Py_INCREF(buffer);
+    Py_INCREF(grads);
     PyObject *ev = PyTuple_Pack(4, g_free_kind, dev, ptr, g_zero);
-    int rc = ev != NULL && PyDict_DelItem(c->live, ptr) == 0 && PyList_Append(evs, ev) == 0 ? 1 : -1;
+    int rc = ev != NULL && PyDict_DelItem(live, ptr) == 0 && PyList_Append(evs, ev) == 0 ? 1 : -1;
     Py_XDECREF(ev);
     if (rc == 1) {
         /* as TorchTracer._emit: flush once callbacks alone have filled the buffer several times over, outside ops */
-        PyObject *batch = PyObject_GetAttr(c->buffer, s_batch);
+        PyObject *batch = PyObject_GetAttr(buffer, s_batch);
         Py_ssize_t b = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
         Py_XDECREF(batch);
         if (b < 0) {
@@ -986,7 +994,7 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
                 rc = -1;
             } else {
                 if (cur == Py_None) {
-                    PyObject *r = call_method0(c->buffer, s_flush);
+                    PyObject *r = call_method0(buffer, s_flush);
                     if (r == NULL) rc = -1;
                     Py_XDECREF(r);
                 }
@@ -994,8 +1002,10 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
             }
         }
     }
-    if (rc == 1 && PySet_GET_SIZE(c->grads) && PySet_Discard(c->grads, ptr) < 0) rc = -1;
+    if (rc == 1 && PySet_GET_SIZE(grads) && PySet_Discard(grads, ptr) < 0) rc = -1;
     Py_DECREF(evs);
+    Py_DECREF(buffer);
+    Py_DECREF(grads);
     return rc;
 }
 
@@ -1005,7 +1015,10 @@ static PyObject *Callback_vectorcall(PyObject *self, PyObject *const *argv, size
     PyObject *t = active_tracer(c);
     if (t == Py_None) Py_RETURN_NONE;
     int rc = -1;
-    if (t != NULL) rc = c->is_free ? on_free(c, t, argv[0]) : on_alloc(c, t, argv[0]);
+    if (t != NULL) {
+        rc = c->is_free ? on_free(c, t, argv[0]) : on_alloc(c, t, argv[0]);
+        Py_DECREF(t);
+    }
     if (rc == 1) Py_RETURN_NONE;
     if (rc < 0) PyErr_Clear(); /* the Python callback meets the same failure, and logs it */
     return PyObject_Vectorcall(c->fallback, argv, nargsf, NULL);
