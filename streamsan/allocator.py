@@ -21,7 +21,7 @@ class Block:
     for pinned memory)."""
 
     __slots__ = ("space", "start", "size", "owner", "serial", "recorded", "foreign", "freed", "stack", "ctx",
-                 "what", "label", "seq", "missing_records", "pool")
+                 "what", "label", "seq", "pool", "freed_at")
 
     def __init__(self, space, start, size, owner, serial, stack=0, ctx=0, what="", seq=-1, pool=0):
         self.space = space
@@ -31,9 +31,9 @@ class Block:
         self.serial = serial
         self.recorded: set[int] = _NO_STREAMS  # streams named by record_stream (a new set once one is added)
         self.foreign: dict[int, object] | None = None  # stream agent -> its last Access to this block
-        self.missing_records: dict[int, object] | None = None  # stream agent -> its missing-record-stream finding
         self.pool = pool  # a private memory pool's id, or 0: the owner's own free lists
         self.freed = False
+        self.freed_at = 1 << 62  # the seq of its FREE, once freed with foreign accesses pending
         self.stack = stack
         self.ctx = ctx
         self.what = what

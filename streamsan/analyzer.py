@@ -87,6 +87,15 @@ def _survives(x: Access, h: list, old_block, space: int) -> bool:
     return True
 
 
+def _fold_access(acc: Access, block: Block, f) -> None:
+    """Mark acc's later races on ``block``'s bytes as part of the missing-record-stream finding f (one mark per
+    block)."""
+    if acc.mrs is None:
+        acc.mrs = [(block, f)]
+    elif all(b is not block for b, _f in acc.mrs):
+        acc.mrs.append((block, f))
+
+
 ANALYZER_ERROR = "analyzer error, some events were not analyzed"
 
 
@@ -475,11 +484,12 @@ class Analyzer:
     def _race(self, prev: Access, prev_write: bool, cur: Access, cur_write: bool, seg, space: int) -> None:
         blk = seg.block
         old = blk is not None and prev.seq < blk.seq  # prev was made in an earlier life of this memory
-        mrs = prev.mrs if old else None
-        if old and mrs is None:  # an earlier access of a stream whose last one is a missing record_stream
-            ob = seg.prev_block
-            if ob is not None and ob.missing_records is not None and prev.seq >= ob.seq:
-                mrs = ob.missing_records.get(prev.agent)
+        mrs = None
+        if old and prev.mrs is not None:  # folded into a missing record_stream finding (_fold_into)?
+            for b, f in prev.mrs:
+                if b.space == space and b.start <= seg.start and seg.end <= b.end:
+                    mrs = f
+                    break
         if old:
             kind = ALLOC_REUSE
         elif prev.agent == HOST or cur.agent == HOST:
@@ -575,12 +585,29 @@ class Analyzer:
                 if x.clock <= own[x.agent] or x.clock <= h[x.agent]:
                     continue
                 f = self._missing_record_stream(x, old, cur, blk if reused else None)
-                x.mrs = f
-                if old.missing_records is None:
-                    old.missing_records = {}
-                old.missing_records[x.agent] = f
+                self._fold_into(f, old, x)
                 if reused:
                     f.reused = True
+
+    def _fold_into(self, f: Finding, old: Block, x: Access) -> None:
+        """Races of x, and of every earlier access of x's stream to ``old`` during its life, with later lives of
+        old's bytes are f's consequences from now on, not findings of their own (docs/semantics.md). Marks x and
+        those of the stream's accesses the shadow memory still holds on old's bytes (only they can race there
+        later)."""
+        _fold_access(x, old, f)
+        sh = self.shadow.get(old.space)
+        if sh is None:
+            return
+        g, first, until = x.agent, old.seq, old.freed_at
+        for seg in sh.overlapping(old.start, old.end):
+            w = seg.write
+            accs = (w if type(w) is list else [w]) if w is not None else []
+            rd = seg.reads
+            if rd is not None:
+                accs = accs + (list(rd.values()) if type(rd) is dict else [rd])
+            for acc in accs:
+                if acc.agent == g and first <= acc.seq < until:  # in old's life
+                    _fold_access(acc, old, f)
 
     def _missing_record_stream(self, x: Access, old: Block, cur: Access, new_block) -> Finding:
         if self.keep_occurrences:
@@ -611,6 +638,7 @@ class Analyzer:
         vc = self.vc
         own = vc[blk.owner]
         h = vc[HOST]
+        blk.freed_at = self.seq
         self.allocator.release(blk, lambda x: x.clock > own[x.agent] and x.clock > h[x.agent])
 
     def _block_at(self, space: int, start: int):

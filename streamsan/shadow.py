@@ -19,8 +19,8 @@ class Access:
     ``agent`` / ``clock``: the epoch. ``seq``: index of the event in the trace (an access whose seq is below
     the ``seq`` of the block now covering its memory belongs to an earlier life of that memory). ``name``: op
     name. ``stack`` / ``ctx``: ids into the analyzer's stack and context tables. ``reads`` / ``writes``: the
-    op's ranges, to confirm strided conflicts; ``strided``: one of them has a layout. ``mrs``: the
-    missing-record-stream finding this access was reported in, if any.
+    op's ranges, to confirm strided conflicts; ``strided``: one of them has a layout. ``mrs``: None, or the
+    missing-record-stream findings its later races on a freed block's bytes are folded into: [(block, finding)].
     """
 
     __slots__ = ("agent", "clock", "seq", "name", "stack", "ctx", "mrs", "reads", "writes", "strided")

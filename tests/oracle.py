@@ -22,10 +22,11 @@ Readings of docs/semantics.md where the text leaves room (the most literal one i
   (owners are streams of one device, so in practice the device of b). "G's last access to b" = the last OP of G
   (a stream) touching any byte of b during b's life. "Does not happen-before the allocation point" = reaches
   neither A's latest node nor the host's latest node at that ALLOC (graph edges, the reuse edges included).
-* Folding: a race (X, Y) is folded when X is the foreign access of a missing-record-stream finding at ALLOC a,
-  or an earlier access of the same stream to the same block in the same life, and Y's access of the byte belongs
-  to a life started at or after a (``fold="later-lives"``, the spec's
-  reading; ``fold="new-life"`` folds only races with the life a started, when a covers bytes of b).
+* Folding: a race (X, Y) on a byte of a freed block b is folded when X is the foreign access of a
+  missing-record-stream finding for b at ALLOC a, or an earlier access of the same stream to b in b's life, Y's
+  access of the byte belongs to a later life of b's bytes, and Y comes after a (the finding is known by then)
+  (``fold="later-lives"``, the spec's reading; ``fold="new-life"`` folds only races with the life a started,
+  when a covers bytes of b).
 * EVENT_DELETE is not in the spec's edge table; the oracle ignores it (the generator never emits it).
 * The life of an access to a byte is the latest ALLOC covering that byte (accesses to freed or never
   allocated memory are out of scope; the generator never makes them).
@@ -226,7 +227,7 @@ class Oracle:
     # ---------------------------------------------------------------- findings
     def _missing_record_stream(self):
         self.mrs = set()
-        self.folded = set()  # (xseq, alloc seq of the new life)
+        self.folded = set()  # (xseq, alloc seq of the new life, the freed block's space, start, end)
         for a_seq, owner, a_latest, h_latest, freed in self.alloc_points:
             new = self.blocks[a_seq]
             for b in freed:
@@ -246,7 +247,7 @@ class Oracle:
                         self.mrs.add((x.seq, a_seq))
                         covers = new.space == b.space and new.start < b.start + b.size and b.start < new.start + new.size
                         if covers or self.fold == "later-lives":
-                            self.folded.update((xs, a_seq) for xs in seqs[g])
+                            self.folded.update((xs, a_seq, b.space, b.start, b.start + b.size) for xs in seqs[g])
 
     def ordered(self, x, y, space, byte):
         """Access x (earlier) happens-before access y on that byte, allocator edges included."""
@@ -286,8 +287,10 @@ class Oracle:
         x, y = self._access(xseq, space, byte), self._access(yseq, space, byte)
         if x.life != y.life:
             if self.fold == "new-life":
-                return "alloc-reuse", (x.seq, y.life) in self.folded
-            return "alloc-reuse", any(xs == x.seq and a <= y.life for xs, a in self.folded)
+                return "alloc-reuse", any(xs == x.seq and a == y.life and sp == space and lo <= byte < hi
+                                          for xs, a, sp, lo, hi in self.folded)
+            return "alloc-reuse", any(xs == x.seq and a < y.seq and sp == space and lo <= byte < hi
+                                      for xs, a, sp, lo, hi in self.folded)
         if x.agent != E.HOST and y.agent != E.HOST:
             return "device-device", False
         return "host-device", False

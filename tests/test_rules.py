@@ -839,6 +839,26 @@ def test_fold_applies_when_the_reuse_precedes_the_report():
     assert [(o.kind, o.folded) for o in a.occurrences] == [(MISSING_RECORD_STREAM, False), (ALLOC_REUSE, True)]
 
 
+def test_fold_is_per_block():
+    # B reads P (A's block) and Q (A's block from pool 7) in one op; both freed. A's next allocation from its own
+    # free lists reports the missing record_stream of P only. C then gets both P's and Q's bytes and writes them:
+    # the race on P's bytes is folded into that finding; the same read's race on Q's bytes is a finding of its
+    # own (Q's missing record_stream is never reported: A never allocates from pool 7 again).
+    q = 4 * KB
+    evs = streams(A, B, C) + [alloc(0, BASE, KB, A), alloc(0, BASE + q, KB, A, pool=7),
+                              op(B, "cat", reads=[D(0, KB), D(q, KB)]), free(0, BASE), free(0, BASE + q),
+                              alloc(0, BASE + Q_OFF, 64, A),
+                              alloc(0, BASE, KB, C), alloc(0, BASE + q, KB, C),
+                              op(C, "zero_", writes=[D(0, KB)]), op(C, "zero_", writes=[D(q, KB)])]
+    a = run(evs)
+    fs = a.sorted_findings()
+    assert len(fs) == 2, fs
+    check(fs[0], MISSING_RECORD_STREAM, (B, "cat"), (A, "allocation"), BASE, BASE + KB)
+    check(fs[1], ALLOC_REUSE, (B, "cat"), (C, "zero_"), BASE + q, BASE + q + KB)
+    assert [(o.kind, o.lo, o.folded) for o in a.occurrences if o.kind == ALLOC_REUSE] == [
+        (ALLOC_REUSE, BASE, True), (ALLOC_REUSE, BASE + q, False)]
+
+
 def test_unfolded_old_access_still_reported_as_alloc_reuse():
     # C's write also races with A's old copy_h2d (not part of any missing-record-stream finding): alloc-reuse.
     evs = mrs_prefix() + [alloc(0, BASE, 1 * KB, A), op(C, "zero_", writes=[D(0, 1 * KB)])]
