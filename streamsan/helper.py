@@ -3,10 +3,9 @@
 :class:`AnalysisHelper` starts a Python process in isolated mode that runs :func:`main` (streamsan's core
 only: no torch, no CuPy, no tracing of its own) and sends it each batch of events through a pipe; the helper
 runs the :class:`~streamsan.analyzer.Analyzer` on another core and, when asked, sends the analyzer back.
-Once started, the helper writes one byte, ``+`` (ready). Frames on the pipe: one kind byte, a 4-byte little-endian
-length, the payload. To the helper: ``B`` a
-marshalled batch, ``Q`` a query (reply: the pickled analyzer and the helper's problems so far), ``E`` the end
-(the same reply, then the helper exits).
+Once started, the helper writes one byte, ``+`` (ready). Frames on the pipe: one kind byte, a 4-byte
+little-endian length, the payload. To the helper: ``B`` a marshalled batch, ``Q`` a query (reply: the pickled
+analyzer and the helper's problems so far), ``E`` the end (the same reply, then the helper exits).
 
 Nothing here may break the program: when the helper cannot start, :attr:`AnalysisHelper.problem` says so and
 the session analyzes in its own process instead; when it dies, the problem says so in one line and the

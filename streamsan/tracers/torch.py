@@ -332,7 +332,7 @@ class _GpuTrace:
 
     active = None
     installed = False
-    python_callbacks = ()  # (allocation, free): the Python callbacks (the C tracer's fall back on them)
+    python_callbacks = ()  # (allocation, free): the Python callbacks (the C ones fall back on them)
 
     @classmethod
     def install(cls) -> None:
