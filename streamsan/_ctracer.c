@@ -12,6 +12,12 @@
  * Plan kinds (`OpPlan.fast[0]`): 0 the Python path only; 1 no access, no fresh output (call the op);
  * 2 no access, fresh outputs (call the op, size its allocations); 3 an op with accesses (copies between device
  * tensors too; a copy with a `device` argument, to or from the host, is the Python path's).
+ *
+ * A `Callback` object is PyTorch's allocation (or free) callback (`_GpuTrace.install`): the common case here,
+ * the rest by the Python callback it wraps.
+ *
+ * Needs Python 3.11 or later (the public frame API of the stack capture); before, the module builds empty
+ * (`AVAILABLE` 0) and the Python tracer runs alone.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
