@@ -209,9 +209,28 @@ def test_environment_without_gpu(monkeypatch):
     assert env["command"] == ["python", "x.py"]
     assert env["python"].startswith(".".join(map(str, sys.version_info[:2])))
     assert env["nvidia_driver"] is None and env["gpus"] == []
-    for key in ("streamsan", "platform", "torch", "cuda_runtime", "cupy", "transformers"):
+    for key in ("streamsan", "platform", "torch", "cuda_runtime", "tracer", "cupy", "transformers"):
         assert key in env
     json.dumps(env)
+
+
+def test_environment_says_which_torch_tracer_runs(monkeypatch):
+    from streamsan.report.environment import tracer_core
+
+    monkeypatch.setenv("STREAMSAN_CORE", "python")
+    assert collect_environment([])["tracer"] == "python (STREAMSAN_CORE=python)"
+    monkeypatch.delenv("STREAMSAN_CORE")
+    try:
+        from streamsan import _ctracer
+    except ImportError:
+        assert tracer_core() == "python (the C tracer was not built: no C compiler at install)"
+    else:
+        assert tracer_core() == ("c" if _ctracer.AVAILABLE else "python (the C tracer needs Python 3.11 or later)")
+    import streamsan
+
+    monkeypatch.setitem(sys.modules, "streamsan._ctracer", None)  # as if it was not built
+    monkeypatch.delattr(streamsan, "_ctracer", raising=False)
+    assert tracer_core() == "python (the C tracer was not built: no C compiler at install)"
 
 
 def test_environment_reads_nvml(monkeypatch):
