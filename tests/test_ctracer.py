@@ -21,9 +21,23 @@ try:
 except ImportError:  # built without a C compiler
     _ctracer = None
 
-pytestmark = pytest.mark.skipif(_ctracer is None or not _ctracer.AVAILABLE, reason="the C tracer is not built")
+needs_c_tracer = pytest.mark.skipif(_ctracer is None or not _ctracer.AVAILABLE, reason="the C tracer is not built")
 
 from streamsan import events as E  # noqa: E402
+
+
+def test_the_c_tracer_is_built_where_it_can_be():
+    """The extension is optional at install (a compile error only warns): where a C compiler and Python 3.11+ are,
+    it must be there, or every test of it would be skipped without a word."""
+    import shutil
+    import sysconfig
+
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if sys.version_info < (3, 11) or not shutil.which(cc) or not os.path.exists(
+            os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no C compiler or Python headers here, or Python before 3.11")
+    assert _ctracer is not None, "streamsan._ctracer is not built: see pip's build output"
+    assert _ctracer.AVAILABLE
 
 
 def program():
@@ -120,6 +134,7 @@ def run(tracer_mod, core):
     return canonical(got), declined, mode
 
 
+@needs_c_tracer
 def test_same_events_as_the_python_tracer(tracer_mod):
     (c_events, c_declined, _), (py_events, py_declined, _) = [
         run(tracer_mod, core) for core in ("c", "python")]  # (one call site: the same stacks)
@@ -131,6 +146,7 @@ def test_same_events_as_the_python_tracer(tracer_mod):
     assert sum("randn" in str(getattr(d, "func", d)) for d in c_declined) == 3 * 3
 
 
+@needs_c_tracer
 def test_internal_error_stops_tracing_and_the_program_goes_on(tracer_mod):
     """A bug of streamsan's surfacing in the C path: tracing stops with a note, and the op's result is the
     program's as without streamsan."""
@@ -148,6 +164,7 @@ def test_internal_error_stops_tracing_and_the_program_goes_on(tracer_mod):
     assert mode.tracer.stopped_on_bug
 
 
+@needs_c_tracer
 def test_allocation_callbacks_match_the_python_ones(tracer_mod):
     """PyTorch's allocation and free callbacks in C against the Python ones, on the same tracer states: inside an
     op of this thread, outside one, inside a memory pool, a free of a block seen and of one not seen."""
