@@ -57,7 +57,6 @@ typedef struct {
     size_t memo_cap, memo_used;
     PyObject *fallback; /* the mode's Python __torch_dispatch__, bound */
     PyObject *self_;    /* the mode (PyTorch checks `__torch_dispatch__.__self__`) */
-    PyObject *weakrefs;
     vectorcallfunc vectorcall;
 } Dispatch;
 
@@ -408,7 +407,7 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
                             PyObject *kwargs, long dev, PyObject *reads, PyObject *writes, int *ran,
                             PyObject **out_p) {
     PyObject *buffer = NULL, *evs = NULL, *ctx = NULL, *agent = NULL, *stack = NULL, *mine = NULL, *ident = NULL,
-             *out = NULL, *op = NULL, *devobj = NULL, *stacks = NULL;
+             *out = NULL, *op = NULL, *devobj = NULL;
     PyObject *result = NULL;
     PyObject *single = NULL; /* data pointer of a single contiguous output */
     PyObject *tracer = d->tracer;
@@ -450,8 +449,6 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
         Py_DECREF(raw);
         if (agent == NULL) goto error;
     }
-    stacks = d->stacks;
-    Py_INCREF(stacks);
     stack = capture_stack(d, evs);
     if (stack == NULL) goto error;
     ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
@@ -662,7 +659,6 @@ error:
     Py_XDECREF(out);
     Py_XDECREF(op);
     Py_XDECREF(devobj);
-    Py_XDECREF(stacks);
     Py_XDECREF(single);
     return result;
 }
@@ -854,7 +850,6 @@ static int Dispatch_clear(Dispatch *self) {
 static void Dispatch_dealloc(Dispatch *self) {
     PyObject_GC_UnTrack(self);
     PyMem_Free(self->memo);
-    if (self->weakrefs != NULL) PyObject_ClearWeakRefs((PyObject *)self);
     Dispatch_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -884,7 +879,6 @@ static PyTypeObject DispatchType = {
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(Dispatch, vectorcall),
     .tp_getset = Dispatch_getset,
-    .tp_weaklistoffset = offsetof(Dispatch, weakrefs),
 };
 
 /* PyTorch's allocation and free callbacks, the hottest two (`_GpuTrace.install`): the common case here, the rest

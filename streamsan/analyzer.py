@@ -600,12 +600,7 @@ class Analyzer:
             return
         g, first, until = x.agent, old.seq, old.freed_at
         for seg in sh.overlapping(old.start, old.end):
-            w = seg.write
-            accs = (w if type(w) is list else [w]) if w is not None else []
-            rd = seg.reads
-            if rd is not None:
-                accs = accs + (list(rd.values()) if type(rd) is dict else [rd])
-            for acc in accs:
+            for acc in seg.accesses():
                 if acc.agent == g and first <= acc.seq < until:  # in old's life
                     _fold_access(acc, old, f)
 
