@@ -30,6 +30,7 @@
 static PyObject *g_tensor_type;  /* torch.Tensor */
 static PyObject *g_raw_stream;   /* callable(device) -> raw cudaStream_t of the current stream */
 static PyObject *g_describe;     /* callable(tensor) -> "dtype[shape]" */
+static PyObject *g_descriptions; /* its memo: (dtype, shape) -> "dtype[shape]" */
 static PyObject *g_dev_attr;     /* "is_cuda" (the CPU stand-in of the benchmarks says "is_cpu") */
 static long g_dev_offset;        /* added to get_device() (the stand-in's CPU tensors say -1) */
 static PyObject *g_op, *g_alloc, *g_zero;
@@ -40,7 +41,7 @@ static PyObject *s_tracing, *s_plans, *s_buffer, *s_events, *s_ctx, *s_agent_of,
     *s_batch, *s_engine_threads, *s_stacks, *s_nbytes, *s_data_ptr, *s_is_contiguous, *s_get_device,
     *s_untyped_storage, *s_range_in, *s_outputs, *s_place, *s_fill_alloc_sizes, *s_engine_op, *s_flush, *s_agent,
     *s_stop_on_bug, *s_fast, *s_pin_memory, *s_kind, *s_ids, *s_classify, *s_define, *s_no_frames, *s_key_users,
-    *s_max_key, *s_device;
+    *s_max_key, *s_device, *s_dtype, *s_shape, *s_stride, *s_element_size, *s_in_scope;
 
 typedef struct {
     PyObject_HEAD
@@ -95,8 +96,53 @@ static long device_of(PyObject *t) {
     return d + g_dev_offset;
 }
 
-/* The byte range of a device tensor, as the tracer's `_range_in(t, dev)` gives it: (dev, ptr, n) for a
- * contiguous one, the Python method for the rest (strided, empty, sparse). New reference, Py_None, or NULL. */
+/* The byte range of a strided device tensor `t` at pointer p of n bytes, as `_range_in` gives it: (dev, p, n)
+ * when its elements cover its extent densely, else (dev, p, extent, (itemsize, sizes, strides)). Steals p and n.
+ * NULL with RuntimeError / OverflowError set: the caller leaves the tensor to `_range_in`. */
+static PyObject *strided_range(PyObject *t, long dev, PyObject *p, PyObject *n) {
+    PyObject *shape = NULL, *sizes = NULL, *strides = NULL, *its = NULL, *r = NULL;
+    if ((shape = PyObject_GetAttr(t, s_shape)) == NULL) goto done;
+    if ((sizes = PySequence_Tuple(shape)) == NULL) goto done;
+    if ((strides = call_method0(t, s_stride)) == NULL) goto done;
+    if ((its = call_method0(t, s_element_size)) == NULL) goto done;
+    if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != PyTuple_GET_SIZE(sizes)) {
+        PyErr_SetString(PyExc_RuntimeError, "unexpected strides");
+        goto done;
+    }
+    long long extent = 1;
+    int dense = 1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sizes); i++) {
+        long long sz = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, i));
+        long long st = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
+        if (PyErr_Occurred()) goto done;
+        if (sz > 1) {
+            if (st == 0) dense = 0;
+            extent += (sz - 1) * st;
+        }
+    }
+    long long isz = PyLong_AsLongLong(its);
+    if (isz == -1 && PyErr_Occurred()) goto done;
+    extent *= isz;
+    long long nb = PyLong_AsLongLong(n);
+    if (nb == -1 && PyErr_Occurred()) goto done;
+    if (dense && extent == nb) {
+        r = Py_BuildValue("(lOO)", dev, p, n);
+    } else {
+        r = Py_BuildValue("(lOL(OOO))", dev, p, extent, its, sizes, strides);
+    }
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(sizes);
+    Py_XDECREF(strides);
+    Py_XDECREF(its);
+    Py_DECREF(p);
+    Py_DECREF(n);
+    return r;
+}
+
+/* The byte range of a device tensor, as the tracer's `_range_in(t, dev)` gives it: (dev, ptr, n) for a dense
+ * one, with its layout for a strided one; the Python method for the rest (empty, sparse, no storage). New
+ * reference, Py_None, or NULL. */
 static PyObject *tensor_range(PyObject *tracer, PyObject *t, long dev) {
     PyObject *n = PyObject_GetAttr(t, s_nbytes);
     if (n == NULL) {
@@ -119,10 +165,9 @@ static PyObject *tensor_range(PyObject *tracer, PyObject *t, long dev) {
     }
     int contiguous = PyObject_IsTrue(c);
     Py_DECREF(c);
-    if (contiguous <= 0) {
+    if (contiguous < 0) {
         Py_DECREF(n);
-        if (contiguous < 0) return NULL;
-        goto python;
+        return NULL;
     }
     PyObject *p = call_method0(t, s_data_ptr);
     if (p == NULL) {
@@ -131,8 +176,14 @@ static PyObject *tensor_range(PyObject *tracer, PyObject *t, long dev) {
         PyErr_Clear();
         goto python;
     }
-    PyObject *r = Py_BuildValue("(lNN)", dev, p, n);
-    return r;
+    if (!contiguous) {
+        PyObject *r = strided_range(t, dev, p, n);
+        if (r != NULL) return r;
+        if (!is_runtime_error() && !PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
+        PyErr_Clear();
+        goto python;
+    }
+    return Py_BuildValue("(lNN)", dev, p, n);
 python:;
     PyObject *dv = PyLong_FromLong(dev);
     if (dv == NULL) return NULL;
@@ -140,6 +191,29 @@ python:;
     PyObject *r2 = PyObject_VectorcallMethod(s_range_in, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     Py_DECREF(dv);
     return r2;
+}
+
+/* `describe(t)`, its memo looked up here: "dtype[shape]". New reference or NULL. */
+static PyObject *describe_tensor(PyObject *t) {
+    PyObject *dtype = PyObject_GetAttr(t, s_dtype);
+    if (dtype == NULL) return NULL;
+    PyObject *shape = PyObject_GetAttr(t, s_shape);
+    if (shape == NULL) {
+        Py_DECREF(dtype);
+        return NULL;
+    }
+    PyObject *key = PyTuple_Pack(2, dtype, shape);
+    Py_DECREF(dtype);
+    Py_DECREF(shape);
+    if (key == NULL) return NULL;
+    PyObject *d = PyDict_GetItemWithError(g_descriptions, key); /* borrowed */
+    Py_DECREF(key);
+    if (d != NULL) {
+        Py_INCREF(d);
+        return d;
+    }
+    if (PyErr_Occurred()) return NULL;
+    return PyObject_CallOneArg(g_describe, t);
 }
 
 /* The kind of a code object in the stack table: OWN 0, LIBRARY 1, USER 2; -1 on error. */
@@ -573,7 +647,7 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
                     PyObject *size = call_method0(st, s_nbytes);
                     Py_DECREF(st);
                     if (size == NULL) goto error;
-                    PyObject *what = PyObject_CallOneArg(g_describe, out);
+                    PyObject *what = describe_tensor(out);
                     if (what == NULL) {
                         Py_DECREF(size);
                         goto error;
@@ -938,28 +1012,32 @@ static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
     PyObject *cur = PyObject_GetAttr(t, s_op_agent);
     if (cur == NULL) return -1;
     int rc = 0;
-    if (PyTuple_Check(cur) && PyTuple_GET_SIZE(cur) == 5 && PyDict_GET_SIZE(c->pools) == 0) {
+    int in_op = 0; /* inside an op of this thread */
+    if (PyTuple_Check(cur) && PyTuple_GET_SIZE(cur) == 5) {
         PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
-        int mine = ident != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(cur, 4), ident, Py_EQ) : -1;
+        in_op = ident != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(cur, 4), ident, Py_EQ) : -1;
         Py_XDECREF(ident);
-        if (mine < 0) {
+    }
+    if (in_op < 0) {
+        rc = -1;
+    } else if (!in_op) { /* `_on_alloc` does nothing there outside hooked regions (hooks scope) */
+        int scope = attr_true(t, s_in_scope);
+        rc = scope < 0 ? -1 : (scope ? 0 : 1);
+    } else if (PyDict_GET_SIZE(c->pools) == 0) { /* an op's own allocation */
+        PyObject *evs = PyObject_GetAttr(c->buffer, s_events);
+        PyObject *ev = NULL;
+        if (evs == NULL || !PyList_Check(evs)) {
             rc = -1;
-        } else if (mine) {
-            PyObject *evs = PyObject_GetAttr(c->buffer, s_events);
-            PyObject *ev = NULL;
-            if (evs == NULL || !PyList_Check(evs)) {
-                rc = -1;
-            } else if ((ev = PyTuple_Pack(8, g_alloc, PyTuple_GET_ITEM(cur, 0), ptr, g_zero, PyTuple_GET_ITEM(cur, 1),
-                                          PyTuple_GET_ITEM(cur, 2), PyTuple_GET_ITEM(cur, 3), g_empty_str)) == NULL) {
-                rc = -1;
-            } else if (PyDict_SetItem(c->live, ptr, PyTuple_GET_ITEM(cur, 0)) < 0) {
-                rc = -1;
-            } else {
-                rc = PyList_Append(evs, ev) < 0 ? -1 : 1;
-            }
-            Py_XDECREF(ev);
-            Py_XDECREF(evs);
+        } else if ((ev = PyTuple_Pack(8, g_alloc, PyTuple_GET_ITEM(cur, 0), ptr, g_zero, PyTuple_GET_ITEM(cur, 1),
+                                      PyTuple_GET_ITEM(cur, 2), PyTuple_GET_ITEM(cur, 3), g_empty_str)) == NULL) {
+            rc = -1;
+        } else if (PyDict_SetItem(c->live, ptr, PyTuple_GET_ITEM(cur, 0)) < 0) {
+            rc = -1;
+        } else {
+            rc = PyList_Append(evs, ev) < 0 ? -1 : 1;
         }
+        Py_XDECREF(ev);
+        Py_XDECREF(evs);
     }
     Py_DECREF(cur);
     return rc;
@@ -1078,13 +1156,15 @@ static PyTypeObject CallbackType = {
 };
 
 static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"tensor_type", "raw_stream", "describe", "op", "alloc", "free", "user_kind",
-                             "device_attr", "device_offset", NULL};
-    PyObject *tt, *rs, *desc, *op, *alloc, *fr, *uk, *da;
+    static char *kwlist[] = {"tensor_type", "raw_stream", "describe", "descriptions", "op", "alloc", "free",
+                             "user_kind", "device_attr", "device_offset", NULL};
+    PyObject *tt, *rs, *desc, *descs, *op, *alloc, *fr, *uk, *da;
     long off;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOUl", kwlist, &tt, &rs, &desc, &op, &alloc, &fr, &uk, &da,
-                                     &off))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO!OOOOUl", kwlist, &tt, &rs, &desc, &PyDict_Type, &descs, &op,
+                                     &alloc, &fr, &uk, &da, &off))
         return NULL;
+    Py_INCREF(descs);
+    Py_XSETREF(g_descriptions, descs);
     Py_INCREF(tt);
     Py_XSETREF(g_tensor_type, tt);
     Py_INCREF(rs);
@@ -1109,7 +1189,8 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwds) {
 
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(tensor_type, raw_stream, describe, op, alloc, free, user_kind, device_attr, device_offset)"},
+     "configure(tensor_type, raw_stream, describe, descriptions, op, alloc, free, user_kind, device_attr, "
+     "device_offset)"},
     {NULL},
 };
 
@@ -1155,6 +1236,11 @@ PyMODINIT_FUNC PyInit__ctracer(void) {
     INTERN(s_key_users, "key_users");
     INTERN(s_max_key, "max_key");
     INTERN(s_device, "device");
+    INTERN(s_dtype, "dtype");
+    INTERN(s_shape, "shape");
+    INTERN(s_stride, "stride");
+    INTERN(s_element_size, "element_size");
+    INTERN(s_in_scope, "in_scope");
     INTERN(s_active, "active");
     INTERN(s_live_device, "live_device");
     INTERN(s_pool_of_thread, "pool_of_thread");

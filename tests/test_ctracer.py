@@ -71,7 +71,14 @@ def program():
     torch._foreach_add_(ws, 1.0)
     rows = torch.tensor([0, 2, 4])
     sel = x.index_select(0, rows)
-    keep += [y, t, z, y2, cat, st, parts, vals, idx, ln, e, zl, out, sm, s, c, ws, rows, sel]
+    # strided inputs of every shape of range: dense but permuted, with gaps, broadcast (stride 0), a column block
+    dense_t = t + 1
+    gaps = x[:, ::2] * 2
+    bcast = x[:1].expand(16, 32) + 1
+    block = x[:, 4:8].sum()
+    c[:, ::3].add_(1.0)  # an in-place write through a strided view
+    keep += [y, t, z, y2, cat, st, parts, vals, idx, ln, e, zl, out, sm, s, c, ws, rows, sel, dense_t, gaps, bcast,
+             block]
     with pytest.raises(RuntimeError):
         torch.mm(x, x)  # the op's own error reaches the program in both
     return keep

@@ -251,8 +251,8 @@ def _c_tracer():
         return None
     if not getattr(_ctracer, "AVAILABLE", 0):
         return None
-    _ctracer.configure(_Tensor, _cuda_raw_stream, describe, E.OP, E.ALLOC, E.FREE, USER, _C_DEVICE_ATTR,
-                       _C_DEVICE_OFFSET)
+    _ctracer.configure(_Tensor, _cuda_raw_stream, describe, _descriptions, E.OP, E.ALLOC, E.FREE, USER,
+                       _C_DEVICE_ATTR, _C_DEVICE_OFFSET)
     return _ctracer
 
 
