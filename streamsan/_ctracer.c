@@ -13,8 +13,8 @@
  * 2 no access, fresh outputs (call the op, size its allocations); 3 an op with accesses (copies between device
  * tensors too; a copy with a `device` argument, to or from the host, is the Python path's).
  *
- * A `Callback` object is PyTorch's allocation (or free) callback (`_GpuTrace.install`): the common case here,
- * the rest by the Python callback it wraps.
+ * A `Callback` object is one of PyTorch's allocation, free, event record and event wait callbacks
+ * (`_GpuTrace.install`): the common case here, the rest by the Python callback it wraps.
  *
  * Needs Python 3.11 or later (the public frame API of the stack capture); before, the module builds empty
  * (`AVAILABLE` 0) and the Python tracer runs alone.
@@ -41,7 +41,7 @@ static PyObject *s_tracing, *s_plans, *s_buffer, *s_events, *s_ctx, *s_agent_of,
     *s_batch, *s_engine_threads, *s_stacks, *s_nbytes, *s_data_ptr, *s_is_contiguous, *s_get_device,
     *s_untyped_storage, *s_range_in, *s_outputs, *s_place, *s_fill_alloc_sizes, *s_engine_op, *s_flush, *s_agent,
     *s_stop_on_bug, *s_fast, *s_pin_memory, *s_kind, *s_ids, *s_classify, *s_define, *s_no_frames, *s_key_users,
-    *s_max_key, *s_device, *s_dtype, *s_shape, *s_stride, *s_element_size, *s_in_scope;
+    *s_max_key, *s_device, *s_agent_for_handle, *s_dtype, *s_shape, *s_stride, *s_element_size, *s_in_scope;
 
 typedef struct {
     PyObject_HEAD
@@ -955,17 +955,22 @@ static PyTypeObject DispatchType = {
     .tp_getset = Dispatch_getset,
 };
 
-/* PyTorch's allocation and free callbacks, the hottest two (`_GpuTrace.install`): the common case here, the rest
- * (and any failure before a change) by the Python callback it was made from. */
+/* PyTorch's allocation and free callbacks, the hottest two, and its event record and wait callbacks (their stack
+ * capture is the costly part in Python) (`_GpuTrace.install`): the common case here, the rest (and any failure
+ * before a change) by the Python callback it was made from. */
 typedef struct {
     PyObject_HEAD
     PyObject *gputrace; /* the _GpuTrace class: its `active` tracer */
     PyObject *fallback; /* the Python callback */
-    int is_free;
+    int kind;           /* CB_ALLOC, CB_FREE, CB_EVENT (an event record or wait: `event` is its event code) */
+    PyObject *event;
     /* the last active tracer and its attributes that never change */
     PyObject *seen, *live, *buffer, *pools, *grads;
+    PyObject *capture; /* a Dispatch of the tracer seen, for its stack capture only (made at the first need) */
     vectorcallfunc vectorcall;
 } Callback;
+
+enum { CB_ALLOC, CB_FREE, CB_EVENT };
 
 static PyObject *s_active, *s_live_device, *s_pool_of_thread, *s_engine_grads;
 static PyObject *g_free_kind, *g_empty_str;
@@ -998,6 +1003,7 @@ static PyObject *active_tracer(Callback *c) {
         Py_XSETREF(c->grads, grads);
         Py_INCREF(t);
         Py_XSETREF(c->seen, t);
+        Py_CLEAR(c->capture);
     }
     int tracing = attr_true(t, s_tracing);
     if (tracing <= 0) {
@@ -1087,14 +1093,84 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     return rc;
 }
 
+/* An event record or wait on stream handle s, as `_on_event_record` / `_on_event_wait`: (code, event, the stream's
+ * agent, the stack: the op's own inside an op of this thread, else captured here). 1 done, -1 error. */
+static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
+    PyObject *agent = NULL, *cur = NULL, *stack = NULL, *evs = NULL, *ev = NULL;
+    int rc = -1;
+    PyObject *buffer = c->buffer;
+    Py_INCREF(buffer);
+    {
+        PyObject *argv[2] = {t, s};
+        agent = PyObject_VectorcallMethod(s_agent_for_handle, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    if (agent == NULL) goto done;
+    if ((cur = PyObject_GetAttr(t, s_op_agent)) == NULL) goto done;
+    if (PyTuple_Check(cur) && PyTuple_GET_SIZE(cur) == 5) {
+        PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+        int mine = ident != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(cur, 4), ident, Py_EQ) : -1;
+        Py_XDECREF(ident);
+        if (mine < 0) goto done;
+        if (mine) {
+            stack = PyTuple_GET_ITEM(cur, 2);
+            Py_INCREF(stack);
+        }
+    }
+    if ((evs = PyObject_GetAttr(buffer, s_events)) == NULL) goto done;
+    if (!PyList_Check(evs)) goto done;
+    if (stack == NULL) {
+        if (c->capture == NULL) {
+            c->capture = PyObject_CallFunctionObjArgs((PyObject *)&DispatchType, t, Py_None, Py_None, NULL);
+            if (c->capture == NULL) goto done;
+        }
+        if ((stack = capture_stack((Dispatch *)c->capture, evs)) == NULL) goto done;
+        PyObject *now = PyObject_GetAttr(buffer, s_events); /* (the capture may have run Python code) */
+        if (now == NULL) goto done;
+        Py_SETREF(evs, now);
+        if (!PyList_Check(evs)) goto done;
+    }
+    if ((ev = PyTuple_Pack(4, c->event, e, agent, stack)) == NULL || PyList_Append(evs, ev) < 0) goto done;
+    rc = 1;
+    /* as TorchTracer._emit: flush once callbacks alone have filled the buffer several times over, outside ops */
+    PyObject *batch = PyObject_GetAttr(buffer, s_batch);
+    Py_ssize_t b = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
+    Py_XDECREF(batch);
+    if (b < 0) {
+        rc = -1;
+    } else if (PyList_GET_SIZE(evs) >= 4 * b) {
+        PyObject *now = PyObject_GetAttr(t, s_op_agent);
+        if (now == NULL) {
+            rc = -1;
+        } else {
+            if (now == Py_None) {
+                PyObject *r = call_method0(buffer, s_flush);
+                if (r == NULL) rc = -1;
+                Py_XDECREF(r);
+            }
+            Py_DECREF(now);
+        }
+    }
+done:
+    Py_XDECREF(agent);
+    Py_XDECREF(cur);
+    Py_XDECREF(stack);
+    Py_XDECREF(evs);
+    Py_XDECREF(ev);
+    Py_DECREF(buffer);
+    return rc;
+}
+
 static PyObject *Callback_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     Callback *c = (Callback *)self;
-    if (kwnames != NULL || PyVectorcall_NARGS(nargsf) != 1) return PyObject_Vectorcall(c->fallback, argv, nargsf, kwnames);
+    if (kwnames != NULL || PyVectorcall_NARGS(nargsf) != (c->kind == CB_EVENT ? 2 : 1))
+        return PyObject_Vectorcall(c->fallback, argv, nargsf, kwnames);
     PyObject *t = active_tracer(c);
     if (t == Py_None) Py_RETURN_NONE;
     int rc = -1;
     if (t != NULL) {
-        rc = c->is_free ? on_free(c, t, argv[0]) : on_alloc(c, t, argv[0]);
+        rc = c->kind == CB_FREE    ? on_free(c, t, argv[0])
+             : c->kind == CB_ALLOC ? on_alloc(c, t, argv[0])
+                                   : on_event(c, t, argv[0], argv[1]);
         Py_DECREF(t);
     }
     if (rc == 1) Py_RETURN_NONE;
@@ -1104,14 +1180,21 @@ static PyObject *Callback_vectorcall(PyObject *self, PyObject *const *argv, size
 
 static int Callback_init(Callback *self, PyObject *args, PyObject *kwds) {
     PyObject *gputrace, *fb;
-    int is_free;
-    static char *kwlist[] = {"gputrace", "fallback", "is_free", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOp", kwlist, &gputrace, &fb, &is_free)) return -1;
+    int kind;
+    PyObject *event = Py_None;
+    static char *kwlist[] = {"gputrace", "fallback", "kind", "event", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOi|O", kwlist, &gputrace, &fb, &kind, &event)) return -1;
+    if (kind < CB_ALLOC || kind > CB_EVENT || (kind == CB_EVENT && !PyLong_Check(event))) {
+        PyErr_SetString(PyExc_ValueError, "kind is 0 (allocation), 1 (free) or 2 (event, with its event code)");
+        return -1;
+    }
+    Py_INCREF(event);
+    Py_XSETREF(self->event, event);
     Py_INCREF(gputrace);
     Py_INCREF(fb);
     Py_XSETREF(self->gputrace, gputrace);
     Py_XSETREF(self->fallback, fb);
-    self->is_free = is_free;
+    self->kind = kind;
     return 0;
 }
 
@@ -1123,7 +1206,8 @@ static PyObject *Callback_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 
 static const Py_ssize_t callback_fields[] = {
     offsetof(Callback, seen), offsetof(Callback, live), offsetof(Callback, buffer), offsetof(Callback, pools),
-    offsetof(Callback, grads), offsetof(Callback, gputrace), offsetof(Callback, fallback), -1};
+    offsetof(Callback, grads), offsetof(Callback, gputrace), offsetof(Callback, fallback), offsetof(Callback, event),
+    offsetof(Callback, capture), -1};
 
 static int Callback_traverse(Callback *self, visitproc visit, void *arg) {
     return visit_fields((PyObject *)self, callback_fields, visit, arg);
@@ -1145,7 +1229,8 @@ static PyTypeObject CallbackType = {
     .tp_name = "streamsan._ctracer.Callback",
     .tp_basicsize = sizeof(Callback),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "Callback(gputrace, fallback, is_free): PyTorch's allocation (or free) callback, its common case in C",
+    .tp_doc = "Callback(gputrace, fallback, kind, event=None): PyTorch's allocation (kind 0), free (1) or event "
+              "record or wait (2, with its event code) callback, its common case in C",
     .tp_new = Callback_new,
     .tp_init = (initproc)Callback_init,
     .tp_dealloc = (destructor)Callback_dealloc,
@@ -1236,6 +1321,7 @@ PyMODINIT_FUNC PyInit__ctracer(void) {
     INTERN(s_key_users, "key_users");
     INTERN(s_max_key, "max_key");
     INTERN(s_device, "device");
+    INTERN(s_agent_for_handle, "_agent_for_handle");
     INTERN(s_dtype, "dtype");
     INTERN(s_shape, "shape");
     INTERN(s_stride, "stride");

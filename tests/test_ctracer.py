@@ -185,7 +185,7 @@ def test_allocation_callbacks_match_the_python_ones(tracer_mod):
 
     gt = tracer_mod._GpuTrace
     gt.install()
-    py_alloc, py_free = gt.python_callbacks
+    py_alloc, py_free = gt.python_callbacks[:2]
 
     def state():
         buf = EventBuffer([], batch=2)  # (small: the free path's flush rule is reached)
@@ -211,6 +211,10 @@ def test_allocation_callbacks_match_the_python_ones(tracer_mod):
             tr._engine_grads.add(1000)
             alloc(1000)
             free(1000)
+            tr.in_scope = 0  # hooks scope, outside a hooked region: nothing
+            alloc(6000)
+            tr.op_agent = (0, 3, 7, 0, threading.get_ident())
+            alloc(7000)  # inside an op (of a hooked region)
             return list(tr.buffer.events), dict(tr.live_device), set(tr._engine_grads), tr.buffer.total
         finally:
             gt.active = None
@@ -219,3 +223,60 @@ def test_allocation_callbacks_match_the_python_ones(tracer_mod):
     got = drive(c.Callback(gt, py_alloc, False), c.Callback(gt, py_free, True))
     assert got == expected
     assert any(ev[0] == E.FREE for ev in expected[0]) and expected[3] > 0  # (something was freed and flushed)
+    assert 6000 not in expected[1] and 7000 in expected[1]
+
+
+@needs_c_tracer
+def test_event_callbacks_match_the_python_ones(tracer_mod):
+    """PyTorch's event record and wait callbacks in C against the Python ones: inside an op of this thread (the op's
+    stack), outside one (a stack captured there: the same frames, ids and definitions), inside another thread's."""
+    import threading
+
+    from streamsan.agents import StreamRegistry
+    from streamsan.sink import EventBuffer
+    from streamsan.stacks import StackTable
+
+    from streamsan import _ctracer as c
+
+    gt = tracer_mod._GpuTrace
+    gt.install()
+    py_record, py_wait = gt.python_callbacks[2:]
+
+    def drive(record, wait):
+        buf = EventBuffer([], batch=2)  # (small: the flush rule is reached)
+        tr = tracer_mod.TorchTracer(buf, StreamRegistry(buf), StackTable())
+        tr.running = tr.tracing = True
+        got = []
+        buf.consumers.append(got.extend)
+        gt.active = tr
+        try:
+            tr.op_agent = (0, 3, 7, 0, threading.get_ident())
+            record(11, 1001)
+            tr.op_agent = None
+            for _ in range(2):  # (the second time, the stack is known)
+                record(12, 1001)
+                wait(12, 1002)
+            tr.op_agent = (0, 3, 7, 0, threading.get_ident() + 1)
+            wait(11, 1002)
+            tr.op_agent = None
+            buf.flush()
+            return got
+        finally:
+            gt.active = None
+
+    left_to_python = []
+
+    def counted(callback):
+        def fallback(*args):
+            left_to_python.append(args)
+            return callback(*args)
+        return fallback
+
+    expected, got = [drive(*pair) for pair in (  # (one call site: the same stacks)
+        (py_record, py_wait),
+        (c.Callback(gt, counted(py_record), 2, E.EVENT_RECORD), c.Callback(gt, counted(py_wait), 2, E.EVENT_WAIT)))]
+    assert got == expected
+    assert left_to_python == []  # (the C code did it all)
+    kinds = [ev[0] for ev in expected]
+    assert kinds.count(E.EVENT_RECORD) == 3 and kinds.count(E.EVENT_WAIT) == 3 and E.DEF_STACK in kinds
+    assert expected[kinds.index(E.EVENT_RECORD)][3] == 7  # the op's own stack inside an op

@@ -332,7 +332,8 @@ class _GpuTrace:
 
     active = None
     installed = False
-    python_callbacks = ()  # (allocation, free): the Python callbacks (the C ones fall back on them)
+    python_callbacks = ()  # (allocation, free, event record, event wait): the Python callbacks (the C ones fall
+    # back on them)
 
     @classmethod
     def install(cls) -> None:
@@ -377,14 +378,17 @@ class _GpuTrace:
                 except Exception:
                     _log_callback_error(gt.MemoryDeallocationCallbacks.name)
 
-        cls.python_callbacks = (on_alloc, on_free)
+        on_record = on(gt.EventRecordCallbacks, "_on_event_record")
+        on_wait = on(gt.EventWaitCallbacks, "_on_event_wait")
+        cls.python_callbacks = (on_alloc, on_free, on_record, on_wait)
         ctracer = _c_tracer()
         if ctracer is not None:  # their common case in C
-            on_alloc, on_free = ctracer.Callback(cls, on_alloc, False), ctracer.Callback(cls, on_free, True)
+            on_alloc, on_free = ctracer.Callback(cls, on_alloc, 0), ctracer.Callback(cls, on_free, 1)
+            on_record = ctracer.Callback(cls, on_record, 2, E.EVENT_RECORD)
+            on_wait = ctracer.Callback(cls, on_wait, 2, E.EVENT_WAIT)
         for registry, callback in (
                 (gt.EventDeletionCallbacks, on(gt.EventDeletionCallbacks, "_on_event_delete")),
-                (gt.EventRecordCallbacks, on(gt.EventRecordCallbacks, "_on_event_record")),
-                (gt.EventWaitCallbacks, on(gt.EventWaitCallbacks, "_on_event_wait")),
+                (gt.EventRecordCallbacks, on_record), (gt.EventWaitCallbacks, on_wait),
                 (gt.MemoryAllocationCallbacks, on_alloc), (gt.MemoryDeallocationCallbacks, on_free),
                 (gt.DeviceSynchronizationCallbacks, on(gt.DeviceSynchronizationCallbacks, "_on_device_sync")),
                 (gt.StreamSynchronizationCallbacks, on(gt.StreamSynchronizationCallbacks, "_on_stream_sync")),
@@ -601,22 +605,30 @@ class TorchTracer:
         prev = self.ctx
         self.ctx = self.buffer.context_id(text)
         if self.scope == "hooks":
-            depth = getattr(self._scope_depth, "n", 0)
-            self._scope_depth.n = depth + 1
+            local = self._scope_depth
+            depth = getattr(local, "n", 0)
+            local.n = depth + 1
             if depth == 0 and self.running:
                 _GpuTrace.install()
                 self.in_scope += 1
-                self._enter_mode()
+                mode = getattr(local, "mode", None)  # one mode per thread, entered again at each region
+                if mode is None:
+                    mode = local.mode = _Mode(self)
+                mode.__enter__()
+                self._modes.append(mode)
         return prev
 
     def pop_context(self, prev: int) -> None:
         self.ctx = prev
         if self.scope == "hooks":
-            depth = self._scope_depth.n - 1
-            self._scope_depth.n = depth
-            if depth == 0 and self._modes:
+            local = self._scope_depth
+            depth = local.n - 1
+            local.n = depth
+            mode = getattr(local, "mode", None)
+            if depth == 0 and mode is not None and any(m is mode for m in self._modes):
                 self.in_scope -= 1
-                self._modes.pop().__exit__(None, None, None)
+                self._modes.remove(mode)  # this thread's, whichever thread entered a region last
+                mode.__exit__(None, None, None)
 
     # ------------------------------------------------------------------ GPU trace callbacks
     def _emit(self, ev) -> None:
