@@ -934,6 +934,22 @@ static PyObject *Dispatch_get_self(Dispatch *self, void *closure) {
     return r;
 }
 
+/* capture(events): the caller's stack id, as `StackTable.capture(events, skip)` gives it where every frame skipped
+ * is streamsan's own (DEF_STACK appended to events for a new one). */
+static PyObject *Dispatch_capture(Dispatch *self, PyObject *events) {
+    if (!PyList_Check(events)) {
+        PyErr_SetString(PyExc_TypeError, "events must be a list");
+        return NULL;
+    }
+    return capture_stack(self, events);
+}
+
+static PyMethodDef Dispatch_methods[] = {
+    {"capture", (PyCFunction)Dispatch_capture, METH_O, "capture(events): the caller's stack id (streamsan's own "
+                                                       "frames skipped), its DEF_STACK appended when new"},
+    {NULL},
+};
+
 static PyGetSetDef Dispatch_getset[] = {
     {"__self__", (getter)Dispatch_get_self, NULL, "the dispatch mode", NULL},
     {NULL},
@@ -953,6 +969,7 @@ static PyTypeObject DispatchType = {
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(Dispatch, vectorcall),
     .tp_getset = Dispatch_getset,
+    .tp_methods = Dispatch_methods,
 };
 
 /* PyTorch's allocation and free callbacks, the hottest two, and its event record and wait callbacks (their stack

@@ -51,6 +51,9 @@ class StackTable:
         self.codes: dict[int, object] = {}
         self._kind: dict[int, int] = {}  # id(code) -> OWN, LIBRARY or USER
         self.fallback = None  # called with the events when a thread has no frame outside streamsan (or 0)
+        # native(events): the same as capture(events, skip) where every frame skipped is streamsan's own, in C (set
+        # by the torch tracer where its C code is built; its Python path calls it)
+        self.native = None
 
     def _classify(self, code) -> int:
         cid = id(code)

@@ -208,6 +208,9 @@ class _Mode(TorchDispatchMode):
                 self.__torch_dispatch__ = ctracer.Dispatch(tracer, _Mode.__torch_dispatch__.__get__(self), self)
             except (TypeError, AttributeError) as exc:  # a tracer it does not know: the Python tracer alone
                 tracer._note_once("c-tracer", f"the C tracer is off ({exc}); the Python tracer runs alone")
+            else:
+                if tracer.stacks.native is None:  # the Python path's stack captures in C too
+                    tracer.stacks.native = self.__torch_dispatch__.capture
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.tracer.tracing:
@@ -649,7 +652,8 @@ class TorchTracer:
         cur = self.op_agent
         if cur is not None and cur[4] == _get_ident():
             return cur[2]
-        return self.stacks.capture(self.buffer.events, 3)
+        native = self.stacks.native
+        return native(self.buffer.events) if native is not None else self.stacks.capture(self.buffer.events, 3)
 
     def _on_event_record(self, e, s):
         self._emit((E.EVENT_RECORD, e, self._agent_for_handle(s), self._callback_stack()))
@@ -1332,7 +1336,8 @@ class TorchTracer:
             flags = self._copy_flags(cpu, cpu_written, args, kwargs)
         if dev >= 0:
             a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
-            stack = self.stacks.capture(evs, 2)
+            native = self.stacks.native
+            stack = native(evs) if native is not None else self.stacks.capture(evs, 2)
             mine = self.op_agent = (dev, a, stack, ctx, _get_ident())
             if cpu_r is not None and not cpu_written and not flags:  # an asynchronous copy out of pinned memory
                 self._staged_write(evs, cpu, cpu_r, stack, ctx)
@@ -1357,7 +1362,8 @@ class TorchTracer:
                                 ctx, 0))
                     return out
                 a = self.agent(dev, _cuda_raw_stream(dev))  # e.g. an H2D copy or a factory with device=cuda
-                stack = self.stacks.capture(evs, 2)
+                native = self.stacks.native
+                stack = native(evs) if native is not None else self.stacks.capture(evs, 2)
             if out.__class__ is _Tensor and out.is_cuda:  # the common case, one plain tensor, inline
                 try:
                     n = out.nbytes
@@ -1606,7 +1612,8 @@ class TorchTracer:
             v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
             if isinstance(v, torch.Tensor) and v.is_cuda:
                 dev = v.get_device()
-        stack = self.stacks.capture(self.buffer.events, 3)
+        native = self.stacks.native
+        stack = native(self.buffer.events) if native is not None else self.stacks.capture(self.buffer.events, 3)
         if dev >= 0:
             self.saw_cuda = True
         out, a, evs, mark = self._run_inside(func, args, kwargs, dev, stack)
