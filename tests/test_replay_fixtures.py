@@ -9,7 +9,9 @@ test_field_data_pipelines.py, test_cuda_graphs.py), the precision probes of view
 (test_field_views.py, test_field_allocator.py), more CuPy bug patterns (test_field_cupy_more.py), real transformers
 paths (``transformers-*``, test_transformers_paths.py: generate with each cache, streamers, host copies), backward
 passes on streams (test_autograd_streams.py) and training steps of DDP, FSDP (both APIs), tensor parallelism, activation
-checkpointing and AMP (test_parallel_libs.py: all clean).
+checkpointing and AMP (test_parallel_libs.py: all clean); ``expected_bench.json``: one whole run of the benchmark's
+decode loop (bench/bench.py: an 8-layer Qwen3, 512-token prompt, 32 steps; about 50k events each), resident (clean)
+and with ``DynamicCache(offloading=True)`` (transformers 5.17's offloading bug).
 
 The traces are real PyTorch programs (torch 2.11, CUDA 13); CI has no GPU, so this is how it checks the whole
 path from a live program's events to findings.
@@ -26,7 +28,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 EXPECTED = {**json.loads((FIXTURES / "expected.json").read_text()),  # tests/gpu/test_torch_scenarios.py
             **json.loads((FIXTURES / "expected_cupy.json").read_text()),  # tests/gpu/test_cupy_scenarios.py
             **json.loads((FIXTURES / "expected_more.json").read_text()),
-            **json.loads((FIXTURES / "expected_field.json").read_text())}
+            **json.loads((FIXTURES / "expected_field.json").read_text()),
+            **json.loads((FIXTURES / "expected_bench.json").read_text())}
 
 
 def summarize(report):
@@ -43,6 +46,30 @@ def test_replayed_scenario(name):
     report = replay_trace(str(FIXTURES / f"{name}.sstrace"))
     assert report["complete"] is True
     assert summarize(report) == EXPECTED[name]
+
+
+def test_a_whole_offloaded_decode_run_gives_the_bug_once_per_pair_of_call_sites():
+    """The benchmark's offloading decode loop, one whole run: transformers 5.17's bug as the reference repro
+    reports it (reports/transformers-48947.json), each finding once with every occurrence counted (one per layer
+    and step after the first), labelled with the first cache layer it was met on."""
+    report = replay_trace(str(FIXTURES / "bench-decode_qwen3_offloading.sstrace"))
+    got = [(r["kind"], r["count"], r["memory"]["space"], r["memory"]["label"], r["previous_access"]["location"],
+            r["access"]["location"]) for r in report["races"]]
+    assert got == [
+        ("device-device", 257, "pinned-host", "cache.layers[0].keys", "transformers/cache_utils.py:79",
+         "transformers/cache_utils.py:85"),
+        ("device-device", 257, "pinned-host", "cache.layers[0].values", "transformers/cache_utils.py:80",
+         "transformers/cache_utils.py:86"),
+        ("missing-record-stream", 255, "device", "cache.layers[0].keys", "transformers/cache_utils.py:146",
+         "transformers/cache_utils.py:85"),
+        ("missing-record-stream", 255, "device", "cache.layers[0].values", "transformers/cache_utils.py:147",
+         "transformers/cache_utils.py:85"),
+    ]
+    assert report["summary"]["events"] == 54257 and report["summary"]["streams"] == 2
+    bundled = json.loads((Path(__file__).parent.parent / "reports" / "transformers-48947.json").read_text())
+    assert [r[0] for r in got] == [r["kind"] for r in bundled["races"]]
+    clean = replay_trace(str(FIXTURES / "bench-decode_qwen3.sstrace"))
+    assert clean["races"] == [] and clean["summary"]["ops"] == 15510 and clean["complete"] is True
 
 
 def test_a_replayed_cuda_graph_says_how_replays_are_checked():
