@@ -1066,6 +1066,26 @@ static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
     return rc;
 }
 
+/* As TorchTracer._emit after a callback's event: flush once callbacks alone have filled the buffer several times
+ * over, and only outside ops (a flush never splits an op from the events fired inside it). 0, or -1 on error. */
+static int flush_if_full(PyObject *t, PyObject *buffer, PyObject *evs) {
+    PyObject *batch = PyObject_GetAttr(buffer, s_batch);
+    Py_ssize_t b = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
+    Py_XDECREF(batch);
+    if (b < 0) return -1;
+    if (PyList_GET_SIZE(evs) < 4 * b) return 0;
+    PyObject *cur = PyObject_GetAttr(t, s_op_agent);
+    if (cur == NULL) return -1;
+    int rc = 0;
+    if (cur == Py_None) {
+        PyObject *r = call_method0(buffer, s_flush);
+        if (r == NULL) rc = -1;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(cur);
+    return rc;
+}
+
 static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     /* (the flush below runs Python code, where another thread may make another tracer active: this one's
      * attributes are held here) */
@@ -1082,27 +1102,7 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     PyObject *ev = PyTuple_Pack(4, g_free_kind, dev, ptr, g_zero);
     int rc = ev != NULL && PyDict_DelItem(live, ptr) == 0 && PyList_Append(evs, ev) == 0 ? 1 : -1;
     Py_XDECREF(ev);
-    if (rc == 1) {
-        /* as TorchTracer._emit: flush once callbacks alone have filled the buffer several times over, outside ops */
-        PyObject *batch = PyObject_GetAttr(buffer, s_batch);
-        Py_ssize_t b = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
-        Py_XDECREF(batch);
-        if (b < 0) {
-            rc = -1;
-        } else if (PyList_GET_SIZE(evs) >= 4 * b) {
-            PyObject *cur = PyObject_GetAttr(t, s_op_agent);
-            if (cur == NULL) {
-                rc = -1;
-            } else {
-                if (cur == Py_None) {
-                    PyObject *r = call_method0(buffer, s_flush);
-                    if (r == NULL) rc = -1;
-                    Py_XDECREF(r);
-                }
-                Py_DECREF(cur);
-            }
-        }
-    }
+    if (rc == 1 && flush_if_full(t, buffer, evs) < 0) rc = -1;
     if (rc == 1 && PySet_GET_SIZE(grads) && PySet_Discard(grads, ptr) < 0) rc = -1;
     Py_DECREF(evs);
     Py_DECREF(buffer);
@@ -1147,26 +1147,7 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
         if (!PyList_Check(evs)) goto done;
     }
     if ((ev = PyTuple_Pack(4, c->event, e, agent, stack)) == NULL || PyList_Append(evs, ev) < 0) goto done;
-    rc = 1;
-    /* as TorchTracer._emit: flush once callbacks alone have filled the buffer several times over, outside ops */
-    PyObject *batch = PyObject_GetAttr(buffer, s_batch);
-    Py_ssize_t b = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
-    Py_XDECREF(batch);
-    if (b < 0) {
-        rc = -1;
-    } else if (PyList_GET_SIZE(evs) >= 4 * b) {
-        PyObject *now = PyObject_GetAttr(t, s_op_agent);
-        if (now == NULL) {
-            rc = -1;
-        } else {
-            if (now == Py_None) {
-                PyObject *r = call_method0(buffer, s_flush);
-                if (r == NULL) rc = -1;
-                Py_XDECREF(r);
-            }
-            Py_DECREF(now);
-        }
-    }
+    rc = flush_if_full(t, buffer, evs) < 0 ? -1 : 1;
 done:
     Py_XDECREF(agent);
     Py_XDECREF(cur);
