@@ -98,7 +98,7 @@ static long device_of(PyObject *t) {
 
 /* The byte range of a strided device tensor `t` at pointer p of n bytes, as `_range_in` gives it: (dev, p, n)
  * when its elements cover its extent densely, else (dev, p, extent, (itemsize, sizes, strides)). Steals p and n.
- * NULL with RuntimeError / OverflowError set: the caller leaves the tensor to `_range_in`. */
+ * NULL on any error: the caller leaves the tensor to `_range_in`. */
 static PyObject *strided_range(PyObject *t, long dev, PyObject *p, PyObject *n) {
     PyObject *shape = NULL, *sizes = NULL, *strides = NULL, *its = NULL, *r = NULL;
     if ((shape = PyObject_GetAttr(t, s_shape)) == NULL) goto done;
@@ -179,8 +179,7 @@ static PyObject *tensor_range(PyObject *tracer, PyObject *t, long dev) {
     if (!contiguous) {
         PyObject *r = strided_range(t, dev, p, n);
         if (r != NULL) return r;
-        if (!is_runtime_error() && !PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
-        PyErr_Clear();
+        PyErr_Clear(); /* (sizes that are not plain ints, say): the Python method's case, which meets any real error */
         goto python;
     }
     return Py_BuildValue("(lNN)", dev, p, n);
@@ -1136,11 +1135,22 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
     if ((evs = PyObject_GetAttr(buffer, s_events)) == NULL) goto done;
     if (!PyList_Check(evs)) goto done;
     if (stack == NULL) {
-        if (c->capture == NULL) {
-            c->capture = PyObject_CallFunctionObjArgs((PyObject *)&DispatchType, t, Py_None, Py_None, NULL);
-            if (c->capture == NULL) goto done;
+        /* t's capture, held here: Python code run meanwhile (by the calls above and below) may let another thread
+         * make another tracer active and replace c->capture */
+        PyObject *cap = c->capture;
+        if (cap != NULL && ((Dispatch *)cap)->tracer == t) {
+            Py_INCREF(cap);
+        } else {
+            cap = PyObject_CallFunctionObjArgs((PyObject *)&DispatchType, t, Py_None, Py_None, NULL);
+            if (cap == NULL) goto done;
+            if (c->seen == t) {
+                Py_INCREF(cap);
+                Py_XSETREF(c->capture, cap);
+            }
         }
-        if ((stack = capture_stack((Dispatch *)c->capture, evs)) == NULL) goto done;
+        stack = capture_stack((Dispatch *)cap, evs);
+        Py_DECREF(cap);
+        if (stack == NULL) goto done;
         PyObject *now = PyObject_GetAttr(buffer, s_events); /* (the capture may have run Python code) */
         if (now == NULL) goto done;
         Py_SETREF(evs, now);
