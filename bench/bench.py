@@ -133,7 +133,7 @@ class Mode:
             _GpuTrace.install()  # PyTorch's GPU trace callbacks on, reaching no tracer
         elif self.name == "record":
             self.ctx = Session(trace_path=os.path.join(self.tmp, f"bench-{time.time_ns()}.sstrace"),
-                               analyze=False).start()
+                               analyze=False, compress_trace=False).start()  # uncompressed, as under wrap
         elif self.name == "inline":
             self.ctx = streamsan.watch(helper=False).start()
         elif self.name == "full-py":
