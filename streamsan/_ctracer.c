@@ -1029,17 +1029,22 @@ static PyObject *active_tracer(Callback *c) {
     return t;
 }
 
+/* Whether op_agent `cur` is an op of this thread (TorchTracer: `cur is not None and cur[4] == _get_ident()`):
+ * 1, 0, or -1 on error. */
+static int op_of_this_thread(PyObject *cur) {
+    if (!PyTuple_Check(cur) || PyTuple_GET_SIZE(cur) != 5) return 0;
+    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    int mine = ident != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(cur, 4), ident, Py_EQ) : -1;
+    Py_XDECREF(ident);
+    return mine;
+}
+
 /* 1 done, 0 the Python callback's case, -1 error (nothing changed then). */
 static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
     PyObject *cur = PyObject_GetAttr(t, s_op_agent);
     if (cur == NULL) return -1;
     int rc = 0;
-    int in_op = 0; /* inside an op of this thread */
-    if (PyTuple_Check(cur) && PyTuple_GET_SIZE(cur) == 5) {
-        PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
-        in_op = ident != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(cur, 4), ident, Py_EQ) : -1;
-        Py_XDECREF(ident);
-    }
+    int in_op = op_of_this_thread(cur);
     if (in_op < 0) {
         rc = -1;
     } else if (!in_op) { /* `_on_alloc` does nothing there outside hooked regions (hooks scope) */
@@ -1122,15 +1127,11 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
     }
     if (agent == NULL) goto done;
     if ((cur = PyObject_GetAttr(t, s_op_agent)) == NULL) goto done;
-    if (PyTuple_Check(cur) && PyTuple_GET_SIZE(cur) == 5) {
-        PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
-        int mine = ident != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(cur, 4), ident, Py_EQ) : -1;
-        Py_XDECREF(ident);
-        if (mine < 0) goto done;
-        if (mine) {
-            stack = PyTuple_GET_ITEM(cur, 2);
-            Py_INCREF(stack);
-        }
+    int mine = op_of_this_thread(cur);
+    if (mine < 0) goto done;
+    if (mine) { /* the op's own stack */
+        stack = PyTuple_GET_ITEM(cur, 2);
+        Py_INCREF(stack);
     }
     if ((evs = PyObject_GetAttr(buffer, s_events)) == NULL) goto done;
     if (!PyList_Check(evs)) goto done;

@@ -51,9 +51,7 @@ class StackTable:
         self.codes: dict[int, object] = {}
         self._kind: dict[int, int] = {}  # id(code) -> OWN, LIBRARY or USER
         self.fallback = None  # called with the events when a thread has no frame outside streamsan (or 0)
-        # native(events): the same as capture(events, skip) where every frame skipped is streamsan's own, in C (set
-        # by the torch tracer where its C code is built; its Python path calls it)
-        self.native = None
+        self.native = None  # outside() in C (set by the torch tracer where its C code is built)
 
     def _classify(self, code) -> int:
         cid = id(code)
@@ -106,6 +104,12 @@ class StackTable:
         if sid is None:
             sid = self.define(events, k, _getframe(skip + 1))
         return sid
+
+    def outside(self, events: list) -> int:
+        """``capture`` for a caller inside streamsan: the stack from the nearest frame that is not streamsan's own
+        (every frame skipped is streamsan's), in C where it is built."""
+        native = self.native
+        return native(events) if native is not None else self.capture(events, 1)
 
     def define(self, events: list, key: tuple, frame) -> int:
         """Intern a new stack key captured at ``frame`` (the caller of the op): its id, with its DEF_STACK

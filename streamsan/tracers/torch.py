@@ -209,7 +209,7 @@ class _Mode(TorchDispatchMode):
             except (TypeError, AttributeError) as exc:  # a tracer it does not know: the Python tracer alone
                 tracer._note_once("c-tracer", f"the C tracer is off ({exc}); the Python tracer runs alone")
             else:
-                if tracer.stacks.native is None:  # the Python path's stack captures in C too
+                if tracer.stacks.native is None:  # StackTable.outside in C too
                     tracer.stacks.native = self.__torch_dispatch__.capture
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -652,8 +652,7 @@ class TorchTracer:
         cur = self.op_agent
         if cur is not None and cur[4] == _get_ident():
             return cur[2]
-        native = self.stacks.native
-        return native(self.buffer.events) if native is not None else self.stacks.capture(self.buffer.events, 3)
+        return self.stacks.outside(self.buffer.events)
 
     def _on_event_record(self, e, s):
         self._emit((E.EVENT_RECORD, e, self._agent_for_handle(s), self._callback_stack()))
@@ -1336,8 +1335,7 @@ class TorchTracer:
             flags = self._copy_flags(cpu, cpu_written, args, kwargs)
         if dev >= 0:
             a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
-            native = self.stacks.native
-            stack = native(evs) if native is not None else self.stacks.capture(evs, 2)
+            stack = self.stacks.outside(evs)
             mine = self.op_agent = (dev, a, stack, ctx, _get_ident())
             if cpu_r is not None and not cpu_written and not flags:  # an asynchronous copy out of pinned memory
                 self._staged_write(evs, cpu, cpu_r, stack, ctx)
@@ -1362,8 +1360,7 @@ class TorchTracer:
                                 ctx, 0))
                     return out
                 a = self.agent(dev, _cuda_raw_stream(dev))  # e.g. an H2D copy or a factory with device=cuda
-                native = self.stacks.native
-                stack = native(evs) if native is not None else self.stacks.capture(evs, 2)
+                stack = self.stacks.outside(evs)
             if out.__class__ is _Tensor and out.is_cuda:  # the common case, one plain tensor, inline
                 try:
                     n = out.nbytes
@@ -1479,7 +1476,7 @@ class TorchTracer:
             if ev[0] == E.ALLOC and ev[3] == 0 and ev[2] in sizes:
                 size, what = sizes[ev[2]]
                 if not stack:
-                    stack = self.stacks.capture(evs, 1)  # (streamsan's own frames are skipped: called from C too)
+                    stack = self.stacks.outside(evs)  # (called from C too)
                 evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or stack, ev[6], what) + ev[8:]
 
     def _place(self, evs, mark, op, out, pre=(), collective: bool = False) -> None:
@@ -1612,8 +1609,7 @@ class TorchTracer:
             v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
             if isinstance(v, torch.Tensor) and v.is_cuda:
                 dev = v.get_device()
-        native = self.stacks.native
-        stack = native(self.buffer.events) if native is not None else self.stacks.capture(self.buffer.events, 3)
+        stack = self.stacks.outside(self.buffer.events)
         if dev >= 0:
             self.saw_cuda = True
         out, a, evs, mark = self._run_inside(func, args, kwargs, dev, stack)
