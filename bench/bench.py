@@ -115,6 +115,58 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
+class RunCosts:
+    """What a timed run spent outside the program's own work, for stderr: the garbage collector's time by
+    generation, and (streamsan's modes) the time in the analysis helper's ``feed`` (marshal and the pipe write,
+    which blocks while the helper is behind) with the events fed."""
+
+    def __init__(self):
+        import gc
+
+        from streamsan import helper
+
+        self.gc, self.helper = gc, helper
+        self.gc_s = [0.0, 0.0, 0.0]
+        self.gc_n = [0, 0, 0]
+        self.feed_s = 0.0
+        self.events = 0
+        self._t = 0.0
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.gc_s[g] += time.perf_counter() - self._t
+            self.gc_n[g] += 1
+
+    def __enter__(self):
+        cls = self.helper.AnalysisHelper
+        self._feed = cls.__dict__["feed"]
+        orig, costs = self._feed, self
+
+        def feed(helper, batch):
+            t = time.perf_counter()
+            try:
+                return orig(helper, batch)
+            finally:
+                costs.feed_s += time.perf_counter() - t
+                costs.events += len(batch)
+
+        cls.feed = feed
+        self.gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc):
+        self.gc.callbacks.remove(self._on_gc)
+        self.helper.AnalysisHelper.feed = self._feed
+
+    def text(self):
+        gcs = " ".join(f"gen{g} {n}x {s * 1e3:.1f}ms" for g, (n, s) in enumerate(zip(self.gc_n, self.gc_s)) if n)
+        fed = f", feed {self.feed_s * 1e3:.1f}ms for {self.events} events" if self.events else ""
+        return f"gc: {gcs or 'none'}{fed}"
+
+
 class Mode:
     """A measuring mode: ``enter()`` / ``exit()`` around timed runs."""
 
@@ -164,18 +216,22 @@ def measure_rounds(names, fn, rounds, tmp):
     """Interleave the modes over ``rounds`` rounds (after one warm-up each), so that drifts of the machine hit every
     mode alike; each mode's best run (its median goes to stderr)."""
     times = {n: [] for n in names}
+    last = {}
     for r in range(rounds + 1):
         for n in names:
             m = Mode(n, tmp)
             m.enter()
             try:
-                t = timed(fn)
+                with RunCosts() as costs:
+                    t = timed(fn)
             finally:
                 m.exit()
             if r:
                 times[n].append(t)
+                last[n] = costs.text()
     for n, v in times.items():
-        print(f"  {n:9s} median {statistics.median(v):8.3f}s over {len(v)} runs", file=sys.stderr, flush=True)
+        print(f"  {n:9s} median {statistics.median(v):8.3f}s over {len(v)} runs; last run's {last[n]}",
+              file=sys.stderr, flush=True)
     return {n: min(v) for n, v in times.items()}
 
 

@@ -49,6 +49,8 @@ typedef struct {
     /* the tracer's attributes that never change, read once: */
     PyObject *buffer, *agent_of, *stacks, *kinds, *ids, *engine_threads, *plans;
     long key_users, max_key;
+    Py_ssize_t batch; /* buffer.batch (set once, when the buffer is made) */
+    int saw_cuda;     /* whether this dispatch has set tracer.saw_cuda (which nothing sets back) */
     /* code object -> its kind in the stack table (a memo of `stacks._kind`, whose code objects the table keeps
      * alive): open addressing, a power-of-two capacity */
     struct KindSlot {
@@ -96,6 +98,21 @@ static long device_of(PyObject *t) {
     return d + g_dev_offset;
 }
 
+/* (dev, a, b) as a new tuple; steals a and b (NULL-safe: on NULL, the others are released). */
+static PyObject *range3(long dev, PyObject *a, PyObject *b) {
+    PyObject *dv = PyLong_FromLong(dev), *t = NULL;
+    if (dv != NULL && a != NULL && b != NULL && (t = PyTuple_New(3)) != NULL) {
+        PyTuple_SET_ITEM(t, 0, dv);
+        PyTuple_SET_ITEM(t, 1, a);
+        PyTuple_SET_ITEM(t, 2, b);
+        return t;
+    }
+    Py_XDECREF(dv);
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return NULL;
+}
+
 /* The byte range of a strided device tensor `t` at pointer p of n bytes, as `_range_in` gives it: (dev, p, n)
  * when its elements cover its extent densely, else (dev, p, extent, (itemsize, sizes, strides)). Steals p and n.
  * NULL on any error: the caller leaves the tensor to `_range_in`. */
@@ -126,7 +143,9 @@ static PyObject *strided_range(PyObject *t, long dev, PyObject *p, PyObject *n) 
     long long nb = PyLong_AsLongLong(n);
     if (nb == -1 && PyErr_Occurred()) goto done;
     if (dense && extent == nb) {
-        r = Py_BuildValue("(lOO)", dev, p, n);
+        Py_INCREF(p);
+        Py_INCREF(n);
+        r = range3(dev, p, n);
     } else {
         r = Py_BuildValue("(lOL(OOO))", dev, p, extent, its, sizes, strides);
     }
@@ -182,7 +201,7 @@ static PyObject *tensor_range(PyObject *tracer, PyObject *t, long dev) {
         PyErr_Clear(); /* (sizes that are not plain ints, say): the Python method's case, which meets any real error */
         goto python;
     }
-    return Py_BuildValue("(lNN)", dev, p, n);
+    return range3(dev, p, n);
 python:;
     PyObject *dv = PyLong_FromLong(dev);
     if (dv == NULL) return NULL;
@@ -592,8 +611,8 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
                             Py_DECREF(n);
                             goto error;
                         }
-                        PyObject *r = Py_BuildValue("(lOO)", od, single, n);
-                        Py_DECREF(n);
+                        Py_INCREF(single);
+                        PyObject *r = range3(od, single, n); /* (steals n) */
                         if (r == NULL || PyList_Append(writes, r) < 0) {
                             Py_XDECREF(r);
                             goto error;
@@ -613,7 +632,10 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
             Py_DECREF(r);
         }
     }
-    if (PyObject_SetAttr(tracer, s_saw_cuda, Py_True) < 0) goto error;
+    if (!d->saw_cuda) {
+        if (PyObject_SetAttr(tracer, s_saw_cuda, Py_True) < 0) goto error;
+        d->saw_cuda = 1;
+    }
     {
         PyObject *rt = PyList_AsTuple(reads), *wt = PyList_AsTuple(writes);
         if (rt == NULL || wt == NULL) {
@@ -708,12 +730,7 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
         }
     }
     {
-        PyObject *batch = PyObject_GetAttr(buffer, s_batch);
-        if (batch == NULL) goto error;
-        Py_ssize_t b = PyLong_AsSsize_t(batch);
-        Py_DECREF(batch);
-        if (b == -1 && PyErr_Occurred()) goto error;
-        if (PyList_GET_SIZE(evs) >= b) {
+        if (PyList_GET_SIZE(evs) >= d->batch) {
             PyObject *r = call_method0(buffer, s_flush);
             if (r == NULL) goto error;
             Py_DECREF(r);
@@ -887,7 +904,16 @@ static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
     self->max_key = PyLong_AsLong(max_key);
     Py_DECREF(users);
     Py_DECREF(max_key);
-    return PyErr_Occurred() ? -1 : 0;
+    if (PyErr_Occurred()) return -1;
+    PyObject *batch = PyObject_GetAttr(self->buffer, s_batch);
+    self->batch = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
+    Py_XDECREF(batch);
+    self->saw_cuda = 0;
+    if (self->batch < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the event buffer's batch is negative");
+        return -1;
+    }
+    return 0;
 }
 
 /* The object fields of a C type here, by offset, for its GC slots. */
