@@ -216,7 +216,7 @@ def measure_rounds(names, fn, rounds, tmp):
     """Interleave the modes over ``rounds`` rounds (after one warm-up each), so that drifts of the machine hit every
     mode alike; each mode's best run (its median goes to stderr)."""
     times = {n: [] for n in names}
-    last = {}
+    costs_of = {n: [] for n in names}
     for r in range(rounds + 1):
         for n in names:
             m = Mode(n, tmp)
@@ -228,10 +228,11 @@ def measure_rounds(names, fn, rounds, tmp):
                 m.exit()
             if r:
                 times[n].append(t)
-                last[n] = costs.text()
+                costs_of[n].append(costs.text())
     for n, v in times.items():
-        print(f"  {n:9s} median {statistics.median(v):8.3f}s over {len(v)} runs; last run's {last[n]}",
-              file=sys.stderr, flush=True)
+        print(f"  {n:9s} median {statistics.median(v):8.3f}s over {len(v)} runs", file=sys.stderr, flush=True)
+        for t, c in zip(v, costs_of[n]):
+            print(f"    {t:8.3f}s  {c}", file=sys.stderr, flush=True)
     return {n: min(v) for n, v in times.items()}
 
 
