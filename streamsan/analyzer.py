@@ -87,6 +87,16 @@ def _survives(x: Access, h: list, old_block, space: int) -> bool:
     return True
 
 
+def _survives_unreported(x: Access, h: list, old_block) -> bool:
+    """``_survives`` for an allocation from an allocator that reports no frees (``E.UNREPORTED_POOL``) over a block
+    still live: the driver orders the new life after the block's free on its owner stream, which came after the
+    owner's accesses and the recorded users' ones. Accesses to memory that no declared block holds (allocated
+    before tracing began) are forgotten: nothing tells whose they were."""
+    if old_block is None or (x.agent == old_block.owner and x.seq >= old_block.seq):
+        return False
+    return _survives(x, h, old_block, old_block.space)
+
+
 def _fold_access(acc: Access, block: Block, f) -> None:
     """Mark acc's later races on ``block``'s bytes as part of the missing-record-stream finding f (one mark per
     block)."""
@@ -545,15 +555,27 @@ class Analyzer:
             sh.cover(start, end)[0].block = blk
             return
         h = self.vc[HOST]
+        unreported = pool == E.UNREPORTED_POOL
         for seg in segs:
             ob = seg.block
             if ob is not None and not ob.freed:
-                # Pinned frees are not observable: a new pinned block over a live one ends the old life.
-                if space != PINNED:
+                # Pinned frees are not observable, nor are an unreporting allocator's: a new block over a live one
+                # ends the old life.
+                if space != PINNED and not unreported:
                     self._note((E.NOTE, "warning", "an allocation overlapped live memory (a free was not seen)"))
                 alloc.release(ob, _never)
             seg.prev_block = ob
             seg.block = blk
+            if unreported:
+                w, rd = seg.write, seg.reads
+                if w is not None:
+                    kept = [x for x in (w if type(w) is list else (w,)) if _survives_unreported(x, h, ob)]
+                    seg.write = kept if len(kept) > 1 else (kept[0] if kept else None)
+                if type(rd) is dict:
+                    seg.reads = {k: x for k, x in rd.items() if _survives_unreported(x, h, ob)} or None
+                elif rd is not None and not _survives_unreported(rd, h, ob):
+                    seg.reads = None
+                continue
             # The deferred-reuse edge: accesses the allocator waited for (recorded users' and, for pinned memory,
             # every stream's), and those the host has synchronized past, are ordered before the new life.
             w = seg.write

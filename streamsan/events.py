@@ -30,7 +30,8 @@ OP             (8, agent, name, reads, writes, stack, ctx, flags)   work on a st
 ALLOC          (9, space, start, size, agent, stack, ctx, what[, pool])   owner stream (HOST for pinned memory);
                what: a short description of the first tensor, e.g. "bfloat16[1, 8, 512, 128]"; pool: the id of
                the private memory pool the block comes from (``torch.cuda.use_mem_pool``), absent or 0 for the
-               owner stream's own free lists
+               owner stream's own free lists, ``UNREPORTED_POOL`` for memory of an allocator that reports no
+               allocations or frees (the tracer declares each op's new outputs; see UNREPORTED_POOL)
 FREE           (10, space, start, stack)
 RECORD_STREAM  (11, space, start, agent, stack) the block at start is also used by that stream
 LABEL          (12, space, start, size, label)  a human name for memory, e.g. "cache.layers[3].keys"
@@ -50,6 +51,13 @@ MAX_AGENT = 1 << 11
 # The name of a host OP a tracer infers rather than sees: the host rewrote pinned bytes outside any traced call
 # between two asynchronous copies out of them (streamsan.tracers.staging); reports explain it as such.
 UNTRACED_REFILL = "refill outside traced calls"
+# The ALLOC pool of memory from a stream-ordered allocator that reports neither allocations nor frees (PyTorch's
+# cudaMallocAsync backend: cudaMallocAsync / cudaFreeAsync, the driver's pool). The tracer declares each op's new
+# outputs itself. The driver hands freed memory to any stream, ordered after the free on the stream it was freed on,
+# and PyTorch frees a block on the stream it was allocated on once its record_stream users reach that point; so
+# an allocation over a block still live (its free was not seen) ends that block's life: its owner's and recorded
+# users' accesses come before the new life, other streams' accesses still race with it.
+UNREPORTED_POOL = -1
 
 DEF_STACK = 0
 DEF_CONTEXT = 1

@@ -200,7 +200,8 @@ class _Mode(TorchDispatchMode):
     def __init__(self, tracer):
         super().__init__()
         self.tracer = tracer
-        ctracer = _c_tracer()
+        _ALLOCATOR.modes.add(self)
+        ctracer = _c_tracer() if not _ALLOCATOR.unreported else None
         if ctracer is not None and type(self).__torch_dispatch__ is _Mode.__torch_dispatch__:
             # PyTorch calls this instance attribute: the C tracer, which leaves what it does not handle to the
             # method below
@@ -438,6 +439,41 @@ def _log_callback_error(what: str) -> None:
 MAX_ATTRIBUTES = 30
 
 
+class AllocatorBackend:
+    """Whether PyTorch's CUDA allocator reports its allocations and frees to the GPU trace (the native caching
+    allocator does; the ``cudaMallocAsync`` backend does not). Known once CUDA is initialized (asking earlier
+    would read ``PYTORCH_CUDA_ALLOC_CONF`` before the program sets it), the same for the whole process.
+
+    Where it does not, the tracer declares each op's new CUDA outputs itself (ALLOC in ``E.UNREPORTED_POOL``), so
+    only the Python tracer runs: every dispatch mode made so far (``modes``) leaves the C one."""
+
+    __slots__ = ("unreported", "modes")
+
+    def __init__(self):
+        self.unreported: bool | None = None  # None: not known yet
+        self.modes = weakref.WeakSet()
+
+    def learn(self) -> bool | None:
+        if self.unreported is None:
+            try:
+                if not torch.cuda.is_initialized():
+                    return None
+                self.unreported = torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+            except Exception:  # a torch without the query: its only allocator is the native one
+                self.unreported = False
+            if self.unreported:
+                for mode in list(self.modes):
+                    mode.__dict__.pop("__torch_dispatch__", None)  # (PyTorch looks it up at every op)
+        return self.unreported
+
+
+_ALLOCATOR = AllocatorBackend()
+UNREPORTED_NOTE = ("PyTorch's cudaMallocAsync allocator backend reports no allocations or frees: streamsan takes "
+                   "each op's new outputs as new memory (ordered after their memory's earlier life on its owner "
+                   "stream and the streams named by record_stream), checks missing record_stream only as races "
+                   "with that next life, and runs its Python tracer")
+
+
 class HostViews:
     """NumPy views of pinned memory: those still open (``t.numpy()`` views, read when gone), and the pinned blocks
     an asynchronous device-to-host copy wrote (their views are :mod:`.pinned_numpy` views)."""
@@ -539,6 +575,8 @@ class TorchTracer:
     def start(self) -> None:
         if "torch._dynamo" in sys.modules:
             _dynamo_safe()
+        if _ALLOCATOR.learn():
+            self._note_once("unreported-allocs", UNREPORTED_NOTE)
         if self.scope == "full":
             _GpuTrace.install()
         _GpuTrace.active = self
@@ -1373,6 +1411,8 @@ class TorchTracer:
                     self._outputs(out, writes)
             else:
                 self._outputs(out, writes)
+            if _ALLOCATOR.unreported is not False:
+                self._declare_outputs(evs, mark, out, dev, a, stack, ctx)
         self.saw_cuda = True
         if cpu_written:
             if self.staged.kept:
@@ -1466,6 +1506,19 @@ class TorchTracer:
                     except RuntimeError:  # sparse, or a subclass without storage: no single block
                         continue
         return sizes
+
+    def _declare_outputs(self, evs, mark, out, dev, agent, stack, ctx) -> None:
+        """Where the allocator reports no allocations (:class:`AllocatorBackend`): an op's new CUDA outputs, as
+        allocations on its stream placed before it (``E.UNREPORTED_POOL``)."""
+        if _ALLOCATOR.unreported is None:
+            if _ALLOCATOR.learn() is None:
+                return
+            if _ALLOCATOR.unreported:
+                self._note_once("unreported-allocs", UNREPORTED_NOTE)
+        if not _ALLOCATOR.unreported:
+            return
+        evs[mark:mark] = [(E.ALLOC, dev, base, size, agent, stack, ctx, what, E.UNREPORTED_POOL)
+                          for base, (size, what) in self._output_blocks(out).items() if size]
 
     def _fill_alloc_sizes(self, evs, mark, out) -> None:
         """Size the allocations an op without accesses made (``empty``...) and give them the op's stack."""

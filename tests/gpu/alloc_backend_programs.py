@@ -1,0 +1,103 @@
+"""Small programs run under each CUDA allocator configuration by test_allocator_backends.py, in a child process
+(PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA starts). Prints one JSON line: the allocator backend, the torch
+tracer's notes, and per program the (kind, previous op, current op) of each finding and the ALLOC / FREE events
+the session saw."""
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+import streamsan  # noqa: E402
+from streamsan import events as E  # noqa: E402
+
+N = 1 << 16
+BIG = (5 << 18) + 1024
+
+
+def churn_across_streams():
+    """Clean: each stream allocates, uses and frees its own tensors; none crosses streams."""
+    s = torch.cuda.Stream()
+    for _ in range(20):
+        x = torch.empty(BIG, device="cuda")
+        x.fill_(1.0)
+        y = x * 2
+        del x, y
+        with torch.cuda.stream(s):
+            z = torch.empty(BIG, device="cuda")
+            z.fill_(2.0)
+            w = z + 1
+            del z, w
+    torch.cuda.synchronize()
+
+
+def missing_record_stream():
+    """x made on a side stream, read on the default stream, freed without record_stream; z allocated on the
+    side stream next (under cudaMallocAsync the driver hands it x's memory, ordered after x's free on side only)."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.empty(N, device="cuda")
+        x.fill_(1.0)
+    torch.cuda.current_stream().wait_stream(s)
+    y = x * 2
+    del x
+    with torch.cuda.stream(s):
+        z = torch.empty(N, device="cuda")
+        z.fill_(5.0)
+    torch.cuda.synchronize()
+    del y, z
+
+
+def record_stream_right():
+    """The fix: x.record_stream(default stream) before the free."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.empty(N, device="cuda")
+        x.fill_(1.0)
+    torch.cuda.current_stream().wait_stream(s)
+    y = x * 2
+    x.record_stream(torch.cuda.current_stream())
+    del x
+    with torch.cuda.stream(s):
+        z = torch.empty(N, device="cuda")
+        z.fill_(5.0)
+    torch.cuda.synchronize()
+    del y, z
+
+
+def side_race():
+    s = torch.cuda.Stream()
+    x = torch.empty(N, device="cuda")
+    x.fill_(1.0)
+    with torch.cuda.stream(s):
+        x.fill_(2.0)
+    torch.cuda.synchronize()
+
+
+PROGRAMS = (churn_across_streams, missing_record_stream, record_stream_right, side_race)
+
+
+def main():
+    out = {"programs": {}}
+    for prog in PROGRAMS:
+        kinds = collections.Counter()
+        torch.cuda.synchronize()
+        s = streamsan.watch()
+        s.start()
+        s.buffer.consumers.append(lambda evs: kinds.update(e[0] for e in evs))
+        prog()
+        s.stop()
+        out["programs"][prog.__name__] = {
+            "findings": [[f.kind, f.previous.name, f.current.name] for f in s.findings],
+            "allocs": kinds[E.ALLOC], "frees": kinds[E.FREE]}
+        out["notes"] = sorted(set(out.get("notes", [])) | {n for n in s.problems if "cudaMallocAsync" in n})
+    out["backend"] = torch.cuda.get_allocator_backend()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

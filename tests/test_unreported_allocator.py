@@ -1,0 +1,137 @@
+"""The rule for memory of an allocator that reports no allocations or frees (``E.UNREPORTED_POOL``: PyTorch's
+cudaMallocAsync backend), on hand-built event sequences: an allocation over a block still live ends its life, its
+owner's and recorded users' accesses come before the new life, other streams' accesses race with it.
+
+Streams A=1, B=2, C=3 on device 0; device memory at ``BASE``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from streamsan import events as E
+from streamsan.events import UNREPORTED_POOL, alloc, event_record, event_wait, op, record_stream, stream_sync
+from streamsan.findings import ALLOC_REUSE
+from test_rules import KB, A, B, C, D, BASE, check, none, run, streams
+
+OVERLAP_NOTE = ("warning", "an allocation overlapped live memory (a free was not seen)")
+
+
+def U(agent, what="", size=1 * KB, off=0):
+    """A declared allocation of the unreporting allocator at BASE + off, on ``agent``."""
+    return alloc(0, BASE + off, size, agent, what=what, pool=UNREPORTED_POOL)
+
+
+def owner_used():
+    """A block allocated on A, written and read by A only: its free (unseen) comes after both."""
+    return streams(A, B, C) + [U(A, "old"), op(A, "fill_", writes=[D(0, 1 * KB)]), op(A, "sum", reads=[D(0, KB)])]
+
+
+def test_reuse_on_another_stream_after_the_owner_alone_used_it_is_ordered():
+    a = none(owner_used() + [U(B, "new"), op(B, "fill_", writes=[D(0, 1 * KB)])])
+    assert OVERLAP_NOTE not in a.notes
+    assert a.counts["allocs"] == 2
+
+
+def test_the_same_events_from_a_reporting_allocator_race():
+    """Without the pool the new block overlaps a live one: a free the tracer missed, so the old accesses stay."""
+    evs = streams(A, B, C) + [alloc(0, BASE, KB, A, what="old"), op(A, "fill_", writes=[D(0, 1 * KB)]),
+                              alloc(0, BASE, KB, B, what="new"), op(B, "fill_", writes=[D(0, 1 * KB)])]
+    a = run(evs)
+    fs = a.sorted_findings()
+    assert len(fs) == 1
+    check(fs[0], ALLOC_REUSE, (A, "fill_"), (B, "fill_"), BASE, BASE + KB)
+    assert OVERLAP_NOTE in a.notes
+
+
+def foreign_reader():
+    """A block on A, written by A, read by B after waiting for A."""
+    return streams(A, B, C) + [U(A, "old"), op(A, "fill_", writes=[D(0, 1 * KB)]), event_record(1, A),
+                               event_wait(1, B), op(B, "cat", reads=[D(0, KB)])]
+
+
+def test_an_unrecorded_foreign_access_races_with_the_next_life():
+    a = run(foreign_reader() + [U(A, "new"), op(A, "fill_", writes=[D(0, 1 * KB)])])
+    fs = a.sorted_findings()
+    assert len(fs) == 1
+    check(fs[0], ALLOC_REUSE, (B, "cat"), (A, "fill_"), BASE, BASE + KB, prev_write=False, cur_write=True)
+    assert (fs[0].prev_block.what, fs[0].block.what) == ("old", "new")
+
+
+def test_a_recorded_foreign_access_is_ordered_before_the_next_life():
+    none(foreign_reader() + [record_stream(0, BASE, B), U(C, "new"), op(C, "fill_", writes=[D(0, 1 * KB)])])
+
+
+def test_a_foreign_access_the_host_synchronized_past_is_ordered():
+    none(foreign_reader() + [stream_sync(B), U(C, "new"), op(C, "fill_", writes=[D(0, 1 * KB)])])
+
+
+def test_only_the_overlapped_bytes_end_their_life():
+    """A new block over the old one's second half: the first half keeps its history (A's write there still
+    races with a later write by C, which no new allocation orders); on the second half, B's unrecorded read races
+    with the new life."""
+    a = run(foreign_reader() + [U(C, "new", size=512, off=512), op(C, "fill_", writes=[D(512, 512)]),
+                                op(C, "zero_", writes=[D(0, 512)])])
+    fs = a.sorted_findings()
+    assert [(f.kind, f.previous.agent, f.previous.name, f.current.name, f.lo, f.hi) for f in fs] == [
+        ("device-device", A, "fill_", "zero_", BASE, BASE + 512),
+        (ALLOC_REUSE, B, "cat", "fill_", BASE + 512, BASE + KB)]
+
+
+def test_memory_no_declared_block_held_is_forgotten():
+    """Accesses to memory allocated before tracing began: nothing tells whose it was, so a new life starts
+    clean."""
+    evs = streams(A, B) + [op(A, "fill_", writes=[D(0, KB)]), U(B, "new"), op(B, "fill_", writes=[D(0, KB)])]
+    none(evs)
+
+
+def test_within_one_life_races_are_found_as_ever():
+    a = run(owner_used() + [op(B, "fill_", writes=[D(0, KB)])])
+    fs = a.sorted_findings()
+    assert [(f.kind, f.previous.agent, f.previous.name, f.current.agent) for f in fs] == [
+        ("device-device", A, "fill_", B)]
+
+
+def test_pool_is_a_valid_field_of_trace_files():
+    ev = U(A, "x")
+    assert ev[8] == UNREPORTED_POOL
+    assert E.validate(list(ev)) == ev
+
+
+class _FakeMode:
+    """Stands for a dispatch mode with the C tracer installed as its instance ``__torch_dispatch__``."""
+
+    def __init__(self):
+        self.__torch_dispatch__ = object()
+
+
+def _backend(monkeypatch, initialized, name):
+    torch = pytest.importorskip("torch")
+    from streamsan.tracers.torch import AllocatorBackend
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: asked.append(1) or name)
+    b = AllocatorBackend()
+    mode = _FakeMode()
+    b.modes.add(mode)
+    return b, mode, asked
+
+
+def test_the_backend_is_not_asked_before_cuda_starts(monkeypatch):
+    """Asking would read PYTORCH_CUDA_ALLOC_CONF before the program sets it."""
+    b, mode, asked = _backend(monkeypatch, False, "cudaMallocAsync")
+    assert b.learn() is None and asked == []
+    assert "__torch_dispatch__" in vars(mode)
+
+
+def test_cuda_malloc_async_takes_every_mode_off_the_c_tracer(monkeypatch):
+    b, mode, asked = _backend(monkeypatch, True, "cudaMallocAsync")
+    assert b.learn() is True and b.learn() is True and asked == [1]
+    assert "__torch_dispatch__" not in vars(mode)
+
+
+def test_the_native_allocator_changes_nothing(monkeypatch):
+    b, mode, _ = _backend(monkeypatch, True, "native")
+    assert b.learn() is False
+    assert "__torch_dispatch__" in vars(mode)
