@@ -1304,6 +1304,11 @@ class TorchTracer:
                 mark = 0
             if len(evs) > mark:  # an allocating op that touches no data (empty, empty_like, ...)
                 self._fill_alloc_sizes(evs, mark, out)
+            elif _ALLOCATOR.unreported is not False:  # (or an allocator that does not say so)
+                dev = _cuda_device_of(out)
+                if dev >= 0:
+                    self._declare_outputs(evs, mark, out, dev, self.agent(dev, _cuda_raw_stream(dev)),
+                                          self.stacks.outside(evs), self.ctx)
             return out
         if plan.pinning_or_copy:
             if plan.pinning or _maybe_pinned_output(plan, args, kwargs):
