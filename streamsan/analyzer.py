@@ -87,14 +87,18 @@ def _survives(x: Access, h: list, old_block, space: int) -> bool:
     return True
 
 
-def _survives_unreported(x: Access, h: list, old_block) -> bool:
+def _survives_unreported(x: Access, h: list, old_block, vc: list) -> bool:
     """``_survives`` for an allocation from an allocator that reports no frees (``E.UNREPORTED_POOL``) over a block
-    still live: the driver orders the new life after the block's free on its owner stream, which came after the
-    owner's accesses and the recorded users' ones. Accesses to memory that no declared block holds (allocated
-    before tracing began) are forgotten: nothing tells whose they were."""
-    if old_block is None or (x.agent == old_block.owner and x.seq >= old_block.seq):
+    still live (docs/semantics.md): not if the host synchronized past it, nor if the block's owner or one of its
+    recorded users had seen it by now (the driver orders the allocation after the owner's free, which PyTorch issues
+    after those streams' work); accesses to memory no declared block holds (allocated before tracing began) are
+    forgotten: nothing tells whose they were."""
+    if old_block is None or x.clock <= h[x.agent] or x.clock <= vc[old_block.owner][x.agent]:
         return False
-    return _survives(x, h, old_block, old_block.space)
+    for g in old_block.recorded:
+        if x.clock <= vc[g][x.agent]:
+            return False
+    return True
 
 
 def _fold_access(acc: Access, block: Block, f) -> None:
@@ -538,6 +542,7 @@ class Analyzer:
         end = start + size
         alloc = self.allocator
         blk = alloc.new_block(space, start, size, owner, stack, ctx, what, self.seq, pool)
+        unreported = pool == E.UNREPORTED_POOL
         pend = alloc.pending.pop((owner, pool), None) if alloc.pending and owner != HOST else None
         if pend:
             self._check_pending(pend, blk)
@@ -555,7 +560,6 @@ class Analyzer:
             sh.cover(start, end)[0].block = blk
             return
         h = self.vc[HOST]
-        unreported = pool == E.UNREPORTED_POOL
         for seg in segs:
             ob = seg.block
             if ob is not None and not ob.freed:
@@ -567,14 +571,7 @@ class Analyzer:
             seg.prev_block = ob
             seg.block = blk
             if unreported:
-                w, rd = seg.write, seg.reads
-                if w is not None:
-                    kept = [x for x in (w if type(w) is list else (w,)) if _survives_unreported(x, h, ob)]
-                    seg.write = kept if len(kept) > 1 else (kept[0] if kept else None)
-                if type(rd) is dict:
-                    seg.reads = {k: x for k, x in rd.items() if _survives_unreported(x, h, ob)} or None
-                elif rd is not None and not _survives_unreported(rd, h, ob):
-                    seg.reads = None
+                self._end_unreported_life(seg, ob, h)
                 continue
             # The deferred-reuse edge: accesses the allocator waited for (recorded users' and, for pinned memory,
             # every stream's), and those the host has synchronized past, are ordered before the new life.
@@ -594,6 +591,19 @@ class Analyzer:
                 elif rd.clock <= h[rd.agent] or (space == PINNED or (ob is not None and ob.recorded)) and not \
                         _survives(rd, h, ob, space):
                     seg.reads = None
+
+    def _end_unreported_life(self, seg, ob, h: list) -> None:
+        """An unreporting allocator's allocation over a shadow range: only the accesses ``_survives_unreported``
+        keeps stay."""
+        vc = self.vc
+        w, rd = seg.write, seg.reads
+        if w is not None:
+            kept = [x for x in (w if type(w) is list else (w,)) if _survives_unreported(x, h, ob, vc)]
+            seg.write = kept if len(kept) > 1 else (kept[0] if kept else None)
+        if type(rd) is dict:
+            seg.reads = {k: x for k, x in rd.items() if _survives_unreported(x, h, ob, vc)} or None
+        elif rd is not None and not _survives_unreported(rd, h, ob, vc):
+            seg.reads = None
 
     def _check_pending(self, pend, blk: Block) -> None:
         """Missing record_stream: the owner's allocator may hand these freed blocks to ``blk``'s allocation."""

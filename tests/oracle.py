@@ -27,6 +27,11 @@ Readings of docs/semantics.md where the text leaves room (the most literal one i
   access of the byte belongs to a later life of b's bytes, and Y comes after a (the finding is known by then)
   (``fold="later-lives"``, the spec's reading; ``fold="new-life"`` folds only races with the life a started,
   when a covers bytes of b).
+* An allocator that reports no frees (ALLOC pool ``E.UNREPORTED_POOL``): such an ALLOC a ends, on each byte it
+  covers, the life L there just before (its block leaves the live set whole, as the generator never touches the
+  rest again). An access x of that byte made before a is ordered before every access of the byte after a (a
+  pair) if no block held the byte, or if x reaches the latest node (at a) of the host, of L's owner or of a
+  recorded user of L. Other accesses keep the graph's order.
 * EVENT_DELETE is not in the spec's edge table; the oracle ignores it (the generator never emits it).
 * The life of an access to a byte is the latest ALLOC covering that byte (accesses to freed or never
   allocated memory are out of scope; the generator never makes them).
@@ -84,9 +89,11 @@ class Oracle:
         self.users = defaultdict(set)  # block id -> recorded users
         self.free_seq = {}  # block id -> seq of its FREE
         self.allocs = []  # (seq, Block)
+        self.unreported_ends = []  # (seq of an unreporting allocator's ALLOC, space, {byte: life it ended})
         self._build()
         self._add_reuse_edges()
         self._closure()
+        self._unreported_reuse()
         self._missing_record_stream()
         self._races()
 
@@ -163,6 +170,15 @@ class Oracle:
             elif k == E.ALLOC:
                 blk = Block(seq, ev[1], ev[2], ev[3], ev[4], ev[8] if len(ev) > 8 else 0)
                 self.blocks[seq] = blk
+                if blk.pool == E.UNREPORTED_POOL:
+                    ended = {b: life.get((blk.space, b)) for b in range(blk.start, blk.start + blk.size)}
+                    handing = {old: [self.latest[g] for g in {self.blocks[old].owner} | self.users[old]
+                                     if g in self.latest] for old in set(ended.values()) if old is not None}
+                    self.unreported_ends.append((seq, blk.space, ended, handing, self.latest.get(E.HOST)))
+                    end = blk.start + blk.size
+                    for key, old in list(live.items()):
+                        if old.space == blk.space and old.start < end and blk.start < old.start + old.size:
+                            del live[key]
                 live[(blk.space, blk.start)] = blk
                 for b in range(blk.start, blk.start + blk.size):
                     life[(blk.space, b)] = seq
@@ -205,6 +221,19 @@ class Oracle:
                             self.reuse_pairs.add((blk.space, b, x.seq, y.seq))
                             if self.reuse_edges == "graph":
                                 self.succ[x.node].add(y.node)
+
+    def _unreported_reuse(self):
+        """The pairs an unreporting allocator's ALLOCs order."""
+        for a_seq, space, ended, handing, host in self.unreported_ends:
+            for b, old in ended.items():
+                accs = self.acc.get((space, b), [])
+                later = [y.seq for y in accs if y.seq > a_seq]
+                for x in accs:
+                    if x.seq > a_seq:
+                        break
+                    seen_by = handing[old] + [host] if old is not None and host is not None else handing.get(old, [])
+                    if old is None or any(self.reaches(x.node, n) for n in seen_by):
+                        self.reuse_pairs.update((space, b, x.seq, ys) for ys in later)
 
     def _closure(self):
         """desc[n]: bitmask of the nodes reachable from n. Every edge goes forward in node order."""

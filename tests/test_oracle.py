@@ -28,10 +28,12 @@ REUSE_EDGES = "pair"  # the spec's reading of the deferred-reuse edges (see test
 
 # ---------------------------------------------------------------------------------------------- generator
 @st.composite
-def traces(draw, reuse_heavy=False):
+def traces(draw, reuse_heavy=False, unreported=False):
     """A random valid trace: host + 2-5 streams, events, syncs, allocations and accesses, 5-60 events.
     ``reuse_heavy``: two streams of one device, many accesses, frees and reallocations, no record_stream or host
-    syncs: the shape of missing-record-stream findings and of the races folded into them."""
+    syncs: the shape of missing-record-stream findings and of the races folded into them. ``unreported``: device
+    memory from an allocator that reports no frees (``E.UNREPORTED_POOL``): never freed, allocated again over live
+    blocks by any stream of the device."""
     n_streams = 2 if reuse_heavy else draw(st.integers(2, 5))
     dev1 = not reuse_heavy and draw(st.booleans())  # the last stream lives on device 1
     legacy = draw(st.integers(0, 3)) == 0  # stream 1 is the legacy default stream of device 0
@@ -65,6 +67,8 @@ def traces(draw, reuse_heavy=False):
 
     def gen_alloc():
         sp = draw(st.sampled_from(spaces))
+        if unreported and sp != E.PINNED:
+            return gen_unreported_alloc(sp)
         cands = []
         for fs, fz in freed[sp]:
             cands.append((fs, fz))  # exact reuse
@@ -83,6 +87,24 @@ def traces(draw, reuse_heavy=False):
         pool = 1 if sp != E.PINNED and draw(st.integers(0, 3)) == 0 else 0  # now and then a private memory pool's
         return E.alloc(sp, start, size, owner, pool=pool)
 
+    def gen_unreported_alloc(sp):
+        """Over a live block (the same bytes, its second half on, or overlapping its front) or anywhere; the blocks
+        it overlaps leave the live set (their frees are not seen)."""
+        cands = []
+        for ls, (lz, _o) in live[sp].items():
+            cands += [(ls, lz), (ls + lz // 2, lz), (max(0, ls - 4), lz // 2 + 4)]
+        cands = [(s, z) for s, z in cands if z > 0 and s + z <= ADDR_LIMIT]
+        if cands and draw(st.integers(0, 3)) > 0:
+            start, size = draw(st.sampled_from(cands))
+        else:
+            size = draw(st.sampled_from([4, 8, 12, 16, 24, 32]))
+            start = draw(st.integers(0, ADDR_LIMIT - size))
+        for ls in [ls for ls, (lz, _o) in live[sp].items() if ls < start + size and start < ls + lz]:
+            del live[sp][ls]
+        owner = draw(st.sampled_from([s for s in agents if streams[s] == sp]))
+        live[sp][start] = (size, owner)
+        return E.alloc(sp, start, size, owner, pool=E.UNREPORTED_POOL)
+
     def gen_op():
         agent = draw(st.sampled_from([E.HOST] + agents + agents))
         blocks = accessible(agent)
@@ -99,7 +121,7 @@ def traces(draw, reuse_heavy=False):
         return E.op(agent, "k", reads, writes, flags=flags)
 
     def gen_free():
-        blocks = [(sp, s) for sp in spaces for s in live[sp]]
+        blocks = [(sp, s) for sp in ([E.PINNED] if unreported else spaces) for s in live[sp]]
         if not blocks:
             return None
         sp, s = draw(st.sampled_from(blocks))
@@ -206,6 +228,16 @@ def test_analyzer_matches_oracle_on_reuse_heavy_traces(trace):
     """The same bytes reallocated several times, by both streams and from pools: the shape of missing-record-stream
     findings and of the races folded into them (on the freed block's bytes only, and only once the finding is
     known)."""
+    Analyzer = pytest.importorskip("streamsan.analyzer").Analyzer
+    check_against_oracle(trace, Analyzer)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+@given(st.one_of(traces(unreported=True), traces(reuse_heavy=True, unreported=True)))
+def test_analyzer_matches_oracle_with_an_allocator_that_reports_no_frees(trace):
+    """Device memory allocated again over live blocks by any stream (PyTorch's cudaMallocAsync backend, whose
+    allocations the tracer declares): the end of a life orders its owner's and recorded users' accesses only."""
     Analyzer = pytest.importorskip("streamsan.analyzer").Analyzer
     check_against_oracle(trace, Analyzer)
 
