@@ -1,7 +1,7 @@
 """Small programs run under each CUDA allocator configuration by test_allocator_backends.py, in a child process
-(PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA starts). Prints one JSON line: the allocator backend, the torch
-tracer's notes, and per program the (kind, previous op, current op) of each finding and the ALLOC / FREE events
-the session saw."""
+(PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA starts): three of test_torch_scenarios.py's and one of its own.
+Prints one JSON line: the allocator backend, the torch tracer's notes, and per program the (kind, previous op,
+current op) of each finding and the ALLOC / FREE events the session saw."""
 
 import collections
 import json
@@ -9,13 +9,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
 import streamsan  # noqa: E402
 from streamsan import events as E  # noqa: E402
+from test_torch_scenarios import (missing_record_stream, record_stream_right,  # noqa: E402
+                                  write_default_then_side_write)
 
-N = 1 << 16
 BIG = (5 << 18) + 1024
 
 
@@ -35,50 +37,7 @@ def churn_across_streams():
     torch.cuda.synchronize()
 
 
-def missing_record_stream():
-    """x made on a side stream, read on the default stream, freed without record_stream; z allocated on the
-    side stream next (under cudaMallocAsync the driver hands it x's memory, ordered after x's free on side only)."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        x = torch.empty(N, device="cuda")
-        x.fill_(1.0)
-    torch.cuda.current_stream().wait_stream(s)
-    y = x * 2
-    del x
-    with torch.cuda.stream(s):
-        z = torch.empty(N, device="cuda")
-        z.fill_(5.0)
-    torch.cuda.synchronize()
-    del y, z
-
-
-def record_stream_right():
-    """The fix: x.record_stream(default stream) before the free."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        x = torch.empty(N, device="cuda")
-        x.fill_(1.0)
-    torch.cuda.current_stream().wait_stream(s)
-    y = x * 2
-    x.record_stream(torch.cuda.current_stream())
-    del x
-    with torch.cuda.stream(s):
-        z = torch.empty(N, device="cuda")
-        z.fill_(5.0)
-    torch.cuda.synchronize()
-    del y, z
-
-
-def side_race():
-    s = torch.cuda.Stream()
-    x = torch.empty(N, device="cuda")
-    x.fill_(1.0)
-    with torch.cuda.stream(s):
-        x.fill_(2.0)
-    torch.cuda.synchronize()
-
-
-PROGRAMS = (churn_across_streams, missing_record_stream, record_stream_right, side_race)
+PROGRAMS = (churn_across_streams, missing_record_stream, record_stream_right, write_default_then_side_write)
 
 
 def main():

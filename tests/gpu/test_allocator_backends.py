@@ -15,13 +15,13 @@ MRS = ["missing-record-stream", "aten::mul.Tensor", "allocation"]
 RACE = ["device-device", "aten::fill_.Scalar", "aten::fill_.Scalar"]
 EXPECTED = {
     "": {"churn_across_streams": [], "missing_record_stream": [MRS], "record_stream_right": [],
-         "side_race": [RACE]},
+         "write_default_then_side_write": [RACE]},
     "expandable_segments:True": {"churn_across_streams": [], "missing_record_stream": [MRS],
-                                 "record_stream_right": [], "side_race": [RACE]},
+                                 "record_stream_right": [], "write_default_then_side_write": [RACE]},
     # the freed block's next life on the side stream races with the default stream's unrecorded read
     "backend:cudaMallocAsync": {"churn_across_streams": [],
                                 "missing_record_stream": [["alloc-reuse", "aten::mul.Tensor", "aten::fill_.Scalar"]],
-                                "record_stream_right": [], "side_race": [RACE]},
+                                "record_stream_right": [], "write_default_then_side_write": [RACE]},
 }
 
 
