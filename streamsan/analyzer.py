@@ -558,6 +558,8 @@ class Analyzer:
             segs = sh.cover(start, end)
         else:
             sh.cover(start, end)[0].block = blk
+            if unreported:
+                self._allocation_write(space, start, size, owner, stack, ctx)
             return
         h = self.vc[HOST]
         for seg in segs:
@@ -591,6 +593,18 @@ class Analyzer:
                 elif rd.clock <= h[rd.agent] or (space == PINNED or (ob is not None and ob.recorded)) and not \
                         _survives(rd, h, ob, space):
                     seg.reads = None
+        if unreported:
+            self._allocation_write(space, start, size, owner, stack, ctx)
+
+    def _allocation_write(self, space: int, start: int, size: int, owner: int, stack: int, ctx: int) -> None:
+        """An unreporting allocator's allocation is stream-ordered work on its stream (cudaMallocAsync): a write of
+        the memory it hands out, there and then. It races with the earlier life's accesses that
+        ``_survives_unreported`` kept, and with later accesses of other streams not ordered after it."""
+        if owner == HOST:
+            return
+        t = self._enqueue(owner)
+        r = (space, start, size)
+        self._write(r, Access(owner, t[owner], self.seq, "allocation", stack, ctx, (), (r,)), t)
 
     def _end_unreported_life(self, seg, ob, h: list) -> None:
         """An unreporting allocator's allocation over a shadow range: only the accesses ``_survives_unreported``

@@ -55,8 +55,8 @@ UNTRACED_REFILL = "refill outside traced calls"
 # cudaMallocAsync backend: cudaMallocAsync / cudaFreeAsync, the driver's pool). The tracer declares each op's new
 # outputs itself. The driver hands freed memory to any stream, ordered after the free on the stream it was freed on,
 # and PyTorch frees a block on the stream it was allocated on once its record_stream users reach that point; so
-# an allocation over a block still live (its free was not seen) ends that block's life: what its owner and
-# recorded users had seen comes before the new life, other streams' accesses still race with it.
+# an allocation is a write on its stream, and over a block still live (its free was not seen) it ends that block's
+# life: what its owner and recorded users had seen comes before it, other streams' accesses race with it.
 UNREPORTED_POOL = -1
 
 DEF_STACK = 0

@@ -27,11 +27,12 @@ Readings of docs/semantics.md where the text leaves room (the most literal one i
   access of the byte belongs to a later life of b's bytes, and Y comes after a (the finding is known by then)
   (``fold="later-lives"``, the spec's reading; ``fold="new-life"`` folds only races with the life a started,
   when a covers bytes of b).
-* An allocator that reports no frees (ALLOC pool ``E.UNREPORTED_POOL``): such an ALLOC a ends, on each byte it
-  covers, the life L there just before (its block leaves the live set whole, as the generator never touches the
-  rest again). An access x of that byte made before a is ordered before every access of the byte after a (a
-  pair) if no block held the byte, or if x reaches the latest node (at a) of the host, of L's owner or of a
-  recorded user of L. Other accesses keep the graph's order.
+* An allocator that reports no frees (ALLOC pool ``E.UNREPORTED_POOL``): such an ALLOC a is work enqueued on its
+  owner B (a node) that writes every byte it covers (an access, ``allocation``), and ends, on each of those bytes,
+  the life L there just before (its block leaves the live set whole, as the generator never touches the rest
+  again). An access x of that byte made before a is ordered before a and every later access of the byte (pairs)
+  if no block held the byte, or if x reaches the latest node (at a) of the host, of L's owner or of a recorded user
+  of L. Other accesses keep the graph's order.
 * EVENT_DELETE is not in the spec's edge table; the oracle ignores it (the generator never emits it).
 * The life of an access to a byte is the latest ALLOC covering that byte (accesses to freed or never
   allocated memory are out of scope; the generator never makes them).
@@ -175,6 +176,9 @@ class Oracle:
                     handing = {old: [self.latest[g] for g in {self.blocks[old].owner} | self.users[old]
                                      if g in self.latest] for old in set(ended.values()) if old is not None}
                     self.unreported_ends.append((seq, blk.space, ended, handing, self.latest.get(E.HOST)))
+                    n = self.op_node[seq] = self._enqueue(blk.owner)
+                    for b in ended:
+                        self.acc[(blk.space, b)].append(Access(seq, n, blk.owner, True, seq))
                     end = blk.start + blk.size
                     for key, old in list(live.items()):
                         if old.space == blk.space and old.start < end and blk.start < old.start + old.size:
@@ -227,9 +231,9 @@ class Oracle:
         for a_seq, space, ended, handing, host in self.unreported_ends:
             for b, old in ended.items():
                 accs = self.acc.get((space, b), [])
-                later = [y.seq for y in accs if y.seq > a_seq]
+                later = [y.seq for y in accs if y.seq >= a_seq]  # (the ALLOC's own write first)
                 for x in accs:
-                    if x.seq > a_seq:
+                    if x.seq >= a_seq:
                         break
                     seen_by = handing[old] + [host] if old is not None and host is not None else handing.get(old, [])
                     if old is None or any(self.reaches(x.node, n) for n in seen_by):

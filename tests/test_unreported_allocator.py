@@ -1,6 +1,7 @@
 """The rule for memory of an allocator that reports no allocations or frees (``E.UNREPORTED_POOL``: PyTorch's
-cudaMallocAsync backend), on hand-built event sequences: an allocation over a block still live ends its life, its
-owner's and recorded users' accesses come before the new life, other streams' accesses race with it.
+cudaMallocAsync backend), on hand-built event sequences: an allocation is a write on its stream; over a block
+still live it ends that block's life, what the block's owner and recorded users had seen comes before it, other
+streams' accesses race with it.
 
 Streams A=1, B=2, C=3 on device 0; device memory at ``BASE``.
 """
@@ -50,12 +51,26 @@ def foreign_reader():
                                event_wait(1, B), op(B, "cat", reads=[D(0, KB)])]
 
 
-def test_an_unrecorded_foreign_access_races_with_the_next_life():
+def test_an_unrecorded_foreign_access_races_with_the_next_allocation():
+    """The missing record_stream: B's read may still run when the driver hands the memory to A's allocation."""
     a = run(foreign_reader() + [U(A, "new"), op(A, "fill_", writes=[D(0, 1 * KB)])])
     fs = a.sorted_findings()
     assert len(fs) == 1
-    check(fs[0], ALLOC_REUSE, (B, "cat"), (A, "fill_"), BASE, BASE + KB, prev_write=False, cur_write=True)
+    check(fs[0], ALLOC_REUSE, (B, "cat"), (A, "allocation"), BASE, BASE + KB, prev_write=False, cur_write=True)
     assert (fs[0].prev_block.what, fs[0].block.what) == ("old", "new")
+
+
+def test_memory_used_on_another_stream_without_waiting_for_the_allocation_races_with_it():
+    """The allocation is stream-ordered work on its stream: C writes the new memory before A may have got it (the
+    owner's old accesses are ordered before the allocation, not before C)."""
+    a = run(owner_used() + [U(A, "new"), op(C, "zero_", writes=[D(0, KB)])])
+    fs = a.sorted_findings()
+    assert len(fs) == 1
+    check(fs[0], "device-device", (A, "allocation"), (C, "zero_"), BASE, BASE + KB)
+
+
+def test_waiting_for_the_allocating_stream_orders_the_use():
+    none(owner_used() + [U(A, "new"), event_record(2, A), event_wait(2, C), op(C, "zero_", writes=[D(0, KB)])])
 
 
 def test_a_recorded_foreign_access_is_ordered_before_the_next_life():
@@ -69,13 +84,13 @@ def test_a_foreign_access_the_host_synchronized_past_is_ordered():
 def test_only_the_overlapped_bytes_end_their_life():
     """A new block over the old one's second half: the first half keeps its history (A's write there still
     races with a later write by C, which no new allocation orders); on the second half, B's unrecorded read races
-    with the new life."""
+    with the allocation."""
     a = run(foreign_reader() + [U(C, "new", size=512, off=512), op(C, "fill_", writes=[D(512, 512)]),
                                 op(C, "zero_", writes=[D(0, 512)])])
     fs = a.sorted_findings()
     assert [(f.kind, f.previous.agent, f.previous.name, f.current.name, f.lo, f.hi) for f in fs] == [
         ("device-device", A, "fill_", "zero_", BASE, BASE + 512),
-        (ALLOC_REUSE, B, "cat", "fill_", BASE + 512, BASE + KB)]
+        (ALLOC_REUSE, B, "cat", "allocation", BASE + 512, BASE + KB)]
 
 
 def test_memory_no_declared_block_held_is_forgotten():

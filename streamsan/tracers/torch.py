@@ -469,9 +469,9 @@ class AllocatorBackend:
 
 _ALLOCATOR = AllocatorBackend()
 UNREPORTED_NOTE = ("PyTorch's cudaMallocAsync allocator backend reports no allocations or frees: streamsan takes "
-                   "each op's new outputs as new memory (ordered after their memory's earlier life on its owner "
-                   "stream and the streams named by record_stream), checks missing record_stream only as races "
-                   "with that next life, and runs its Python tracer")
+                   "each op's new outputs as memory allocated on the op's stream (after what the memory's earlier "
+                   "owner stream and its record_stream users had seen), finds a missing record_stream as a race "
+                   "with the memory's next allocation, and runs its Python tracer")
 
 
 class HostViews:

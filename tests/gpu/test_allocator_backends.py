@@ -18,9 +18,9 @@ EXPECTED = {
          "write_default_then_side_write": [RACE]},
     "expandable_segments:True": {"churn_across_streams": [], "missing_record_stream": [MRS],
                                  "record_stream_right": [], "write_default_then_side_write": [RACE]},
-    # the freed block's next life on the side stream races with the default stream's unrecorded read
+    # the default stream's unrecorded read races with the side stream's next allocation of the freed memory
     "backend:cudaMallocAsync": {"churn_across_streams": [],
-                                "missing_record_stream": [["alloc-reuse", "aten::mul.Tensor", "aten::fill_.Scalar"]],
+                                "missing_record_stream": [["alloc-reuse", "aten::mul.Tensor", "allocation"]],
                                 "record_stream_right": [], "write_default_then_side_write": [RACE]},
 }
 
