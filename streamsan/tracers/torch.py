@@ -1304,9 +1304,9 @@ class TorchTracer:
                 mark = 0
             if len(evs) > mark:  # an allocating op that touches no data (empty, empty_like, ...)
                 self._fill_alloc_sizes(evs, mark, out)
-            elif _ALLOCATOR.unreported is not False:  # (or an allocator that does not say so)
+            elif _ALLOCATOR.unreported is not False:  # (the same, where the allocator does not report them)
                 dev = _cuda_device_of(out)
-                if dev >= 0:
+                if dev >= 0 and self._allocations_unreported():
                     self._declare_outputs(evs, mark, out, dev, self.agent(dev, _cuda_raw_stream(dev)),
                                           self.stacks.outside(evs), self.ctx)
             return out
@@ -1416,7 +1416,7 @@ class TorchTracer:
                     self._outputs(out, writes)
             else:
                 self._outputs(out, writes)
-            if _ALLOCATOR.unreported is not False:
+            if _ALLOCATOR.unreported is not False and self._allocations_unreported():
                 self._declare_outputs(evs, mark, out, dev, a, stack, ctx)
         self.saw_cuda = True
         if cpu_written:
@@ -1512,16 +1512,15 @@ class TorchTracer:
                         continue
         return sizes
 
+    def _allocations_unreported(self) -> bool:
+        """Whether the allocator reports no allocations (:class:`AllocatorBackend`), learnt once CUDA is up."""
+        if _ALLOCATOR.unreported is None and _ALLOCATOR.learn():
+            self._note_once("unreported-allocs", UNREPORTED_NOTE)
+        return bool(_ALLOCATOR.unreported)
+
     def _declare_outputs(self, evs, mark, out, dev, agent, stack, ctx) -> None:
-        """Where the allocator reports no allocations (:class:`AllocatorBackend`): an op's new CUDA outputs, as
-        allocations on its stream placed before it (``E.UNREPORTED_POOL``)."""
-        if _ALLOCATOR.unreported is None:
-            if _ALLOCATOR.learn() is None:
-                return
-            if _ALLOCATOR.unreported:
-                self._note_once("unreported-allocs", UNREPORTED_NOTE)
-        if not _ALLOCATOR.unreported:
-            return
+        """Where the allocator reports no allocations: an op's new CUDA outputs, as allocations on its stream placed
+        before it (``E.UNREPORTED_POOL``)."""
         evs[mark:mark] = [(E.ALLOC, dev, base, size, agent, stack, ctx, what, E.UNREPORTED_POOL)
                           for base, (size, what) in self._output_blocks(out).items() if size]
 
