@@ -1,5 +1,5 @@
 """Small programs run under each CUDA allocator configuration by test_allocator_backends.py, in a child process
-(PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA starts): three of test_torch_scenarios.py's and one of its own.
+(PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA starts): four of test_torch_scenarios.py's and one of its own.
 Prints one JSON line: the allocator backend, the torch tracer's notes, and per program the (kind, previous op,
 current op) of each finding and the ALLOC / FREE events the session saw."""
 
@@ -15,8 +15,8 @@ import torch  # noqa: E402
 
 import streamsan  # noqa: E402
 from streamsan import events as E  # noqa: E402
-from test_torch_scenarios import (missing_record_stream, record_stream_right,  # noqa: E402
-                                  write_default_then_side_write)
+from test_torch_scenarios import (alloc_reuse_on_other_stream, missing_record_stream,  # noqa: E402
+                                  record_stream_right, write_default_then_side_write)
 
 BIG = (5 << 18) + 1024
 
@@ -37,7 +37,8 @@ def churn_across_streams():
     torch.cuda.synchronize()
 
 
-PROGRAMS = (churn_across_streams, missing_record_stream, record_stream_right, write_default_then_side_write)
+PROGRAMS = (churn_across_streams, missing_record_stream, record_stream_right, write_default_then_side_write,
+            alloc_reuse_on_other_stream)
 
 
 def main():
