@@ -19,8 +19,9 @@ in-process analysis); ``full`` (``streamsan.watch()``: tracing, the analysis in 
 callbacks, once activated, stay on for the process, so each workload runs in its own process: plain and floor
 interleaved over ``--runs`` rounds (with ``hooks`` where no offloading cache turns the callbacks on), then
 streamsan's modes interleaved, then CSAN (one timed run); one warm-up run each. Each mode's time is its best run:
-the shared host's noise only ever adds time (consecutive plain runs differ by up to 20% there), and the medians are
-printed to stderr beside it.
+the shared host's noise only ever adds time (consecutive plain runs differ by up to 20% there); stderr has each
+mode's median and every run's time, its garbage collection time and, for streamsan's modes, the time spent feeding
+the analysis helper (:class:`RunCosts`).
 Prints one table: each mode's time and its ratio to plain, to the floor and to CSAN.
 """
 
