@@ -233,6 +233,16 @@ def test_environment_says_which_torch_tracer_runs(monkeypatch):
     assert tracer_core() == "python (the C tracer was not built: no C compiler at install)"
 
 
+def test_environment_says_the_python_tracer_runs_under_cuda_malloc_async(monkeypatch):
+    pytest.importorskip("torch")
+    from streamsan.report.environment import tracer_core
+    from streamsan.tracers.torch import _ALLOCATOR
+
+    monkeypatch.delenv("STREAMSAN_CORE", raising=False)
+    monkeypatch.setattr(_ALLOCATOR, "unreported", True)
+    assert tracer_core() == "python (PyTorch's cudaMallocAsync allocator: the tracer declares allocations)"
+
+
 def test_environment_reads_nvml(monkeypatch):
     nvml = types.SimpleNamespace(
         nvmlInit=lambda: None, nvmlShutdown=lambda: None,
