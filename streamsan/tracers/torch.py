@@ -575,8 +575,7 @@ class TorchTracer:
     def start(self) -> None:
         if "torch._dynamo" in sys.modules:
             _dynamo_safe()
-        if _ALLOCATOR.learn():
-            self._note_once("unreported-allocs", UNREPORTED_NOTE)
+        self._allocations_unreported()  # (known now if CUDA is up)
         if self.scope == "full":
             _GpuTrace.install()
         _GpuTrace.active = self
