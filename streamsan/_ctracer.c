@@ -1008,6 +1008,7 @@ typedef struct {
     PyObject *event;
     /* the last active tracer and its attributes that never change */
     PyObject *seen, *live, *buffer, *pools, *grads;
+    Py_ssize_t batch; /* the buffer's batch size */
     PyObject *capture; /* a Dispatch of the tracer seen, for its stack capture only (made at the first need) */
     vectorcallfunc vectorcall;
 } Callback;
@@ -1029,7 +1030,10 @@ static PyObject *active_tracer(Callback *c) {
     if (t != c->seen) {
         PyObject *live = PyObject_GetAttr(t, s_live_device), *buffer = PyObject_GetAttr(t, s_buffer),
                  *pools = PyObject_GetAttr(t, s_pool_of_thread), *grads = PyObject_GetAttr(t, s_engine_grads);
-        if (live == NULL || buffer == NULL || pools == NULL || grads == NULL || !PyDict_Check(live) ||
+        PyObject *batch = buffer != NULL ? PyObject_GetAttr(buffer, s_batch) : NULL;
+        Py_ssize_t b = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
+        Py_XDECREF(batch);
+        if (live == NULL || buffer == NULL || pools == NULL || grads == NULL || b < 0 || !PyDict_Check(live) ||
             !PyDict_Check(pools) || !PySet_Check(grads)) {
             Py_XDECREF(live);
             Py_XDECREF(buffer);
@@ -1043,6 +1047,7 @@ static PyObject *active_tracer(Callback *c) {
         Py_XSETREF(c->buffer, buffer);
         Py_XSETREF(c->pools, pools);
         Py_XSETREF(c->grads, grads);
+        c->batch = b;
         Py_INCREF(t);
         Py_XSETREF(c->seen, t);
         Py_CLEAR(c->capture);
@@ -1098,12 +1103,8 @@ static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
 
 /* As TorchTracer._emit after a callback's event: flush once callbacks alone have filled the buffer several times
  * over, and only outside ops (a flush never splits an op from the events fired inside it). 0, or -1 on error. */
-static int flush_if_full(PyObject *t, PyObject *buffer, PyObject *evs) {
-    PyObject *batch = PyObject_GetAttr(buffer, s_batch);
-    Py_ssize_t b = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
-    Py_XDECREF(batch);
-    if (b < 0) return -1;
-    if (PyList_GET_SIZE(evs) < 4 * b) return 0;
+static int flush_if_full(PyObject *t, PyObject *buffer, Py_ssize_t batch, PyObject *evs) {
+    if (PyList_GET_SIZE(evs) < 4 * batch) return 0;
     PyObject *cur = PyObject_GetAttr(t, s_op_agent);
     if (cur == NULL) return -1;
     int rc = 0;
@@ -1120,6 +1121,7 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     /* (the flush below runs Python code, where another thread may make another tracer active: this one's
      * attributes are held here) */
     PyObject *live = c->live, *buffer = c->buffer, *grads = c->grads;
+    Py_ssize_t batch = c->batch;
     PyObject *dev = PyDict_GetItemWithError(live, ptr);
     if (dev == NULL) return PyErr_Occurred() ? -1 : 1; /* not a block of the tracer's */
     PyObject *evs = PyObject_GetAttr(buffer, s_events);
@@ -1132,7 +1134,7 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     PyObject *ev = PyTuple_Pack(4, g_free_kind, dev, ptr, g_zero);
     int rc = ev != NULL && PyDict_DelItem(live, ptr) == 0 && PyList_Append(evs, ev) == 0 ? 1 : -1;
     Py_XDECREF(ev);
-    if (rc == 1 && flush_if_full(t, buffer, evs) < 0) rc = -1;
+    if (rc == 1 && flush_if_full(t, buffer, batch, evs) < 0) rc = -1;
     if (rc == 1 && PySet_GET_SIZE(grads) && PySet_Discard(grads, ptr) < 0) rc = -1;
     Py_DECREF(evs);
     Py_DECREF(buffer);
@@ -1146,6 +1148,7 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
     PyObject *agent = NULL, *cur = NULL, *stack = NULL, *evs = NULL, *ev = NULL;
     int rc = -1;
     PyObject *buffer = c->buffer;
+    Py_ssize_t batch = c->batch;
     Py_INCREF(buffer);
     {
         PyObject *argv[2] = {t, s};
@@ -1184,7 +1187,7 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
         if (!PyList_Check(evs)) goto done;
     }
     if ((ev = PyTuple_Pack(4, c->event, e, agent, stack)) == NULL || PyList_Append(evs, ev) < 0) goto done;
-    rc = flush_if_full(t, buffer, evs) < 0 ? -1 : 1;
+    rc = flush_if_full(t, buffer, batch, evs) < 0 ? -1 : 1;
 done:
     Py_XDECREF(agent);
     Py_XDECREF(cur);
