@@ -27,7 +27,9 @@ MAX_STRIDED_STATE = 64  # distinct strided views kept per shadow range before fo
 
 
 class Occurrence(NamedTuple):
-    """One detected hazard instance (kept with ``keep_occurrences=True``, for tests and the oracle)."""
+    """One detected hazard instance (kept with ``keep_occurrences=True``, for tests and the oracle). ``kind`` is the
+    race's class: a reuse race with an unreporting allocator's allocation is ``alloc-reuse`` here and a
+    missing-record-stream finding (``Analyzer._race``)."""
 
     kind: str
     space: int
@@ -521,6 +523,11 @@ class Analyzer:
             if f is not None and f.space == space and f.hi == seg.start:
                 f.hi = seg.end  # (a finding's memory is its first occurrence's)
             return
+        unreported = old and blk.pool == E.UNREPORTED_POOL
+        if unreported:
+            # Only the allocation races with an earlier life there, and only with accesses of streams that were
+            # neither the old block's owner nor recorded on it (_survives_unreported): a missing record_stream.
+            kind = MISSING_RECORD_STREAM
         lp, lc = self._loc(prev), self._loc(cur)
         fp = fingerprint(kind, lp, lc)
         f = self.findings.get(fp)
@@ -530,6 +537,7 @@ class Analyzer:
             return
         f = self.findings[fp] = Finding(kind, fp, prev, cur, prev_write, cur_write, space, seg.start, seg.end,
                                         blk, seg.prev_block if old else None, lp, lc)
+        f.reused = unreported
         self._last_race = (cur, prev, f)
 
     # ------------------------------------------------------------------ allocator

@@ -1,7 +1,7 @@
 """The rule for memory of an allocator that reports no allocations or frees (``E.UNREPORTED_POOL``: PyTorch's
 cudaMallocAsync backend), on hand-built event sequences: an allocation is a write on its stream; over a block
 still live it ends that block's life, what the block's owner and recorded users had seen comes before it, other
-streams' accesses race with it.
+streams' accesses race with it: a missing record_stream, found where the memory is handed out again.
 
 Streams A=1, B=2, C=3 on device 0; device memory at ``BASE``.
 """
@@ -12,7 +12,7 @@ import pytest
 
 from streamsan import events as E
 from streamsan.events import UNREPORTED_POOL, alloc, event_record, event_wait, op, record_stream, stream_sync
-from streamsan.findings import ALLOC_REUSE
+from streamsan.findings import ALLOC_REUSE, MISSING_RECORD_STREAM
 from test_rules import KB, A, B, C, D, BASE, check, none, run, streams
 
 OVERLAP_NOTE = ("warning", "an allocation overlapped live memory (a free was not seen)")
@@ -56,8 +56,25 @@ def test_an_unrecorded_foreign_access_races_with_the_next_allocation():
     a = run(foreign_reader() + [U(A, "new"), op(A, "fill_", writes=[D(0, 1 * KB)])])
     fs = a.sorted_findings()
     assert len(fs) == 1
-    check(fs[0], ALLOC_REUSE, (B, "cat"), (A, "allocation"), BASE, BASE + KB, prev_write=False, cur_write=True)
-    assert (fs[0].prev_block.what, fs[0].block.what) == ("old", "new")
+    check(fs[0], MISSING_RECORD_STREAM, (B, "cat"), (A, "allocation"), BASE, BASE + KB, prev_write=False,
+          cur_write=True)
+    assert (fs[0].prev_block.what, fs[0].block.what, fs[0].reused) == ("old", "new", True)
+
+
+def test_the_report_names_the_old_owner_and_the_allocating_stream():
+    """The driver may hand A's freed memory to C: the report says whose tensor it was and where it went."""
+    from streamsan.report.build import race_item
+
+    a = run(foreign_reader() + [U(C, "new"), op(C, "fill_", writes=[D(0, 1 * KB)])])
+    (f,) = a.sorted_findings()
+    item = race_item(a, f)
+    assert (item["kind"], item["allocation"]["reused"]) == (MISSING_RECORD_STREAM, True)
+    assert item["memory"]["what"] == "old"
+    assert item["missing_edge"] == (
+        "The tensor on stream 0x1000 was used on stream 0x2000 (cat (read) at op:cat) and freed without "
+        "record_stream, and stream 0x3000 never waited for stream 0x2000: the caching allocator was free to hand "
+        "its memory to the allocation at op:allocation on stream 0x3000 while that use may still be pending. It did "
+        "on this run.")
 
 
 def test_memory_used_on_another_stream_without_waiting_for_the_allocation_races_with_it():
@@ -90,7 +107,7 @@ def test_only_the_overlapped_bytes_end_their_life():
     fs = a.sorted_findings()
     assert [(f.kind, f.previous.agent, f.previous.name, f.current.name, f.lo, f.hi) for f in fs] == [
         ("device-device", A, "fill_", "zero_", BASE, BASE + 512),
-        (ALLOC_REUSE, B, "cat", "allocation", BASE + 512, BASE + KB)]
+        (MISSING_RECORD_STREAM, B, "cat", "allocation", BASE + 512, BASE + KB)]
 
 
 def test_memory_no_declared_block_held_is_forgotten():

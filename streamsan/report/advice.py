@@ -49,8 +49,9 @@ def missing_edge(kind: str, prev: dict, cur: dict, allocation: dict) -> str:
     if kind == MISSING_RECORD_STREAM:
         old = allocation.get("previous_life") or {}
         where = f" allocated at {old['location']}" if old.get("location") else ""
+        owner = agent_text(old["owner"]) if old.get("owner") else ca
         tail = " It did on this run." if allocation.get("reused") else ""
-        return (f"The tensor{where} on {ca} was used on {pa} ({_what(prev)}) and freed without "
+        return (f"The tensor{where} on {owner} was used on {pa} ({_what(prev)}) and freed without "
                 f"record_stream, and {ca} never waited for {pa}: the caching allocator was free to hand its "
                 f"memory to the allocation at {cur['location']} on {ca} while that use may still be "
                 f"pending.{tail}")

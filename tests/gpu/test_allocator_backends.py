@@ -21,10 +21,10 @@ EXPECTED = {
          "write_default_then_side_write": [RACE], "alloc_reuse_on_other_stream": [REUSE]},
     "expandable_segments:True": {"churn_across_streams": [], "missing_record_stream": [MRS],
                                  "record_stream_right": [], "write_default_then_side_write": [RACE]},
-    # the default stream's unrecorded read races with the side stream's next allocation of the freed memory; the
-    # side stream writes z, allocated on the default stream, without waiting for that allocation
-    "backend:cudaMallocAsync": {"churn_across_streams": [],
-                                "missing_record_stream": [["alloc-reuse", "aten::mul.Tensor", "allocation"]],
+    # the default stream's unrecorded read is found at the side stream's next allocation of the freed memory, as
+    # with the native allocator; the side stream writes z, allocated on the default stream, without waiting for
+    # that allocation
+    "backend:cudaMallocAsync": {"churn_across_streams": [], "missing_record_stream": [MRS],
                                 "record_stream_right": [], "write_default_then_side_write": [RACE],
                                 "alloc_reuse_on_other_stream": [["device-device", "allocation", "aten::fill_.Scalar"]]},
 }
