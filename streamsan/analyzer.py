@@ -392,25 +392,23 @@ class Analyzer:
             raced = False
             w = seg.write
             if w is not None:
-                if type(w) is list:
+                if type(w) is list:  # (strided writes on disjoint elements: each one's race is its own)
                     for x in w:
                         if x.agent != a and x.clock > t[x.agent] and (
                                 not (strided or x.strided) or _conflict(x, True, r, seg.start, seg.end)):
                             self._race(x, True, acc, True, seg, r[0])
                             raced = True
-                            break
                 elif w.agent != a and w.clock > t[w.agent] and (
                         not (strided or w.strided) or _conflict(w, True, r, seg.start, seg.end)):
                     self._race(w, True, acc, True, seg, r[0])
                     raced = True
             rd = seg.reads
             if rd is not None and not raced:
-                if type(rd) is dict:
+                if type(rd) is dict:  # (one read per stream: each unordered one is a race of its own)
                     for x in rd.values():
                         if x.agent != a and x.clock > t[x.agent] and (
                                 not (strided or x.strided) or _conflict(x, False, r, seg.start, seg.end)):
                             self._race(x, False, acc, True, seg, r[0])
-                            break
                 elif rd.agent != a and rd.clock > t[rd.agent] and (
                         not (strided or rd.strided) or _conflict(rd, False, r, seg.start, seg.end)):
                     self._race(rd, False, acc, True, seg, r[0])
@@ -460,7 +458,6 @@ class Analyzer:
                         if x.agent != a and x.clock > t[x.agent] and (
                                 not (strided or x.strided) or _conflict(x, True, r, seg.start, seg.end)):
                             self._race(x, True, acc, False, seg, r[0])
-                            break
                 elif w.agent != a and w.clock > t[w.agent] and (
                         not (strided or w.strided) or _conflict(w, True, r, seg.start, seg.end)):
                     self._race(w, True, acc, False, seg, r[0])
@@ -518,11 +515,17 @@ class Analyzer:
             mrs.reused = True
             return
         last = self._last_race
-        if last is not None and last[0] is cur and last[1] is prev:
-            f = last[2]  # the same pair of ops on another fragment of the range: one occurrence
-            if f is not None and f.space == space and f.hi == seg.start:
-                f.hi = seg.end  # (a finding's memory is its first occurrence's)
-            return
+        if last is not None and last[0] is cur:
+            pairs = last[1]
+            seen = pairs.get(id(prev))
+            if seen is not None:
+                f = seen[1]  # the same pair of ops on another fragment of the range: one occurrence
+                if f is not None and f.space == space and f.hi == seg.start:
+                    f.hi = seg.end  # (a finding's memory is its first occurrence's)
+                return
+        else:
+            pairs = {}  # id(prev) -> (prev, the finding it made, or None if it counted an old one)
+            self._last_race = (cur, pairs)
         unreported = old and blk.pool == E.UNREPORTED_POOL
         if unreported:
             # Only the allocation races with an earlier life there, and only with accesses of streams that were
@@ -533,12 +536,12 @@ class Analyzer:
         f = self.findings.get(fp)
         if f is not None:
             f.count += 1
-            self._last_race = (cur, prev, None)
+            pairs[id(prev)] = (prev, None)
             return
         f = self.findings[fp] = Finding(kind, fp, prev, cur, prev_write, cur_write, space, seg.start, seg.end,
                                         blk, seg.prev_block if old else None, lp, lc)
         f.reused = unreported
-        self._last_race = (cur, prev, f)
+        pairs[id(prev)] = (prev, f)
 
     # ------------------------------------------------------------------ allocator
     def _alloc(self, ev) -> None:

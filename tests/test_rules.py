@@ -437,6 +437,23 @@ def yview(r0, r1, c0, c1):
     return D((r0 * 128 + c0) * 4, ((rows - 1) * 128 + cols) * 4, (4, (rows, cols), (128, 1)))
 
 
+def test_each_unordered_strided_write_of_a_range_races_with_a_later_write():
+    """Two ops of A wrote disjoint columns (one shadow range holds both where their extents overlap); B overwrites
+    rows 1-6 without waiting: two races."""
+    a = run(streams(A, B) + [alloc(0, BASE, N * ROW, A), op(A, "fill_left", writes=[xview(0, 64)]),
+                             op(A, "fill_right", writes=[xview(64, 64)]), op(B, "zero_", writes=[D(ROW, 6 * ROW)])])
+    assert [(f.kind, f.previous.name, f.current.name, f.count) for f in a.sorted_findings()] == [
+        (DEVICE_DEVICE, "fill_left", "zero_", 1), (DEVICE_DEVICE, "fill_right", "zero_", 1)]
+
+
+def test_each_unordered_reader_stream_races_with_a_later_write():
+    """B and C read what A then overwrites without waiting for either: one race per reader stream."""
+    a = run(base3() + [op(B, "sum", reads=[D(0, KB)]), op(C, "max", reads=[D(0, KB)]),
+                       op(A, "zero_", writes=[D(0, KB)])])
+    assert [(f.kind, f.previous.agent, f.previous.name, f.current.name) for f in a.sorted_findings()] == [
+        (DEVICE_DEVICE, B, "sum", "zero_"), (DEVICE_DEVICE, C, "max", "zero_")]
+
+
 def test_many_strided_reads_do_not_hide_an_older_strided_read():
     # B reads y[:, 1:64]; A (after waiting for B) reads 17 different column-0 views y[:r, 0]; C writes y[1, 1]
     # without waiting for B: byte y[1, 1] is read by B and written by C, unordered.
