@@ -554,6 +554,8 @@ class Analyzer:
         alloc = self.allocator
         blk = alloc.new_block(space, start, size, owner, stack, ctx, what, self.seq, pool)
         unreported = pool == E.UNREPORTED_POOL
+        # (such an allocation is work on its stream: enqueued before the pending check, which it orders after)
+        t = self._enqueue(owner) if unreported and owner != HOST else None
         pend = alloc.pending.pop((owner, pool), None) if alloc.pending and owner != HOST else None
         if pend:
             self._check_pending(pend, blk)
@@ -569,8 +571,8 @@ class Analyzer:
             segs = sh.cover(start, end)
         else:
             sh.cover(start, end)[0].block = blk
-            if unreported:
-                self._allocation_write(space, start, size, owner, stack, ctx)
+            if t is not None:
+                self._allocation_write(space, start, size, owner, stack, ctx, t)
             return
         h = self.vc[HOST]
         for seg in segs:
@@ -604,16 +606,15 @@ class Analyzer:
                 elif rd.clock <= h[rd.agent] or (space == PINNED or (ob is not None and ob.recorded)) and not \
                         _survives(rd, h, ob, space):
                     seg.reads = None
-        if unreported:
-            self._allocation_write(space, start, size, owner, stack, ctx)
+        if t is not None:
+            self._allocation_write(space, start, size, owner, stack, ctx, t)
 
-    def _allocation_write(self, space: int, start: int, size: int, owner: int, stack: int, ctx: int) -> None:
+    def _allocation_write(self, space: int, start: int, size: int, owner: int, stack: int, ctx: int,
+                          t: list) -> None:
         """An unreporting allocator's allocation is stream-ordered work on its stream (cudaMallocAsync): a write of
-        the memory it hands out, there and then. It races with the earlier life's accesses that
-        ``_survives_unreported`` kept, and with later accesses of other streams not ordered after it."""
-        if owner == HOST:
-            return
-        t = self._enqueue(owner)
+        the memory it hands out, there and then (``t``: the stream's clock, the allocation enqueued). It races with
+        the earlier life's accesses that ``_survives_unreported`` kept, and with later accesses of other streams not
+        ordered after it."""
         r = (space, start, size)
         self._write(r, Access(owner, t[owner], self.seq, "allocation", stack, ctx, (), (r,)), t)
 

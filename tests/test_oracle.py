@@ -32,8 +32,8 @@ def traces(draw, reuse_heavy=False, unreported=False):
     """A random valid trace: host + 2-5 streams, events, syncs, allocations and accesses, 5-60 events.
     ``reuse_heavy``: two streams of one device, many accesses, frees and reallocations, no record_stream or host
     syncs: the shape of missing-record-stream findings and of the races folded into them. ``unreported``: device
-    memory from an allocator that reports no frees (``E.UNREPORTED_POOL``): never freed, allocated again over live
-    blocks by any stream of the device."""
+    memory from an allocator that reports no allocations or frees (``E.UNREPORTED_POOL``): allocated again over live
+    blocks by any stream of the device, and now and then freed where the tracer saw its storage die."""
     n_streams = 2 if reuse_heavy else draw(st.integers(2, 5))
     dev1 = not reuse_heavy and draw(st.booleans())  # the last stream lives on device 1
     legacy = draw(st.integers(0, 3)) == 0  # stream 1 is the legacy default stream of device 0
@@ -91,7 +91,7 @@ def traces(draw, reuse_heavy=False, unreported=False):
         """Over a live block (the same bytes, its second half on, or overlapping its front) or anywhere; the blocks
         it overlaps leave the live set (their frees are not seen)."""
         cands = []
-        for ls, (lz, _o) in live[sp].items():
+        for ls, lz in [(ls, lz) for ls, (lz, _o) in live[sp].items()] + freed[sp]:
             cands += [(ls, lz), (ls + lz // 2, lz), (max(0, ls - 4), lz // 2 + 4)]
         cands = [(s, z) for s, z in cands if z > 0 and s + z <= ADDR_LIMIT]
         if cands and draw(st.integers(0, 3)) > 0:
@@ -121,7 +121,7 @@ def traces(draw, reuse_heavy=False, unreported=False):
         return E.op(agent, "k", reads, writes, flags=flags)
 
     def gen_free():
-        blocks = [(sp, s) for sp in ([E.PINNED] if unreported else spaces) for s in live[sp]]
+        blocks = [(sp, s) for sp in ([E.PINNED] if unreported and draw(st.booleans()) else spaces) for s in live[sp]]
         if not blocks:
             return None
         sp, s = draw(st.sampled_from(blocks))

@@ -167,3 +167,67 @@ def test_the_native_allocator_changes_nothing(monkeypatch):
     b, mode, _ = _backend(monkeypatch, True, "native")
     assert b.learn() is False
     assert "__torch_dispatch__" in vars(mode)
+
+
+class _Emits:
+    """Stands for a tracer: what ``AllocatorBackend.watch`` emits through it."""
+
+    def __init__(self):
+        self.tracing = True
+        self.events = []
+
+    def _emit(self, ev):
+        self.events.append(ev)
+
+
+def test_a_watched_block_is_freed_when_the_last_tensor_on_its_storage_dies():
+    torch = pytest.importorskip("torch")
+    from streamsan.tracers.torch import AllocatorBackend
+
+    b, tracer = AllocatorBackend(), _Emits()
+    x = torch.zeros(64)
+    base = x.untyped_storage().data_ptr()
+    b.watch(tracer, 0, base, x.untyped_storage())
+    view = x[8:16]
+    del x
+    assert tracer.events == []  # the view keeps the storage
+    del view
+    assert tracer.events == [(E.FREE, 0, base, 0)] and b.watched == {}
+
+
+def test_a_resized_storage_is_freed_by_the_resize_not_again_at_its_death():
+    torch = pytest.importorskip("torch")
+    from streamsan.tracers.torch import AllocatorBackend
+
+    b, tracer, other = AllocatorBackend(), _Emits(), _Emits()
+    x = torch.zeros(64)
+    base = x.untyped_storage().data_ptr()
+    b.watch(tracer, 0, base, x.untyped_storage())
+    assert not b.resized(other, base) and b.resized(tracer, base) and not b.resized(tracer, base)
+    del x
+    assert tracer.events == []
+
+
+def test_a_stopped_tracer_forgets_its_blocks_and_a_paused_one_emits_nothing():
+    torch = pytest.importorskip("torch")
+    from streamsan.tracers.torch import AllocatorBackend
+
+    b, tracer, paused = AllocatorBackend(), _Emits(), _Emits()
+    paused.tracing = False
+    x, y = torch.zeros(64), torch.zeros(64)
+    b.watch(tracer, 0, x.untyped_storage().data_ptr(), x.untyped_storage())
+    b.watch(paused, 0, y.untyped_storage().data_ptr(), y.untyped_storage())
+    b.forget(tracer)
+    del x, y
+    assert tracer.events == [] and paused.events == [] and b.watched == {}
+
+
+def test_a_seen_free_finds_the_missing_record_stream_at_the_owner_s_next_allocation_anywhere():
+    """With the free seen, the native rule applies: B's unrecorded read of A's freed block races with A's next
+    allocation, wherever the driver puts it."""
+    a = run(foreign_reader() + [E.free(0, BASE), U(A, "new", off=4 * KB), op(A, "fill_", writes=[D(4 * KB, KB)])])
+    fs = a.sorted_findings()
+    assert len(fs) == 1
+    check(fs[0], MISSING_RECORD_STREAM, (B, "cat"), (A, "allocation"), BASE, BASE + KB, prev_write=False,
+          cur_write=True)
+    assert fs[0].reused is False

@@ -445,13 +445,43 @@ class AllocatorBackend:
     would read ``PYTORCH_CUDA_ALLOC_CONF`` before the program sets it), the same for the whole process.
 
     Where it does not, the tracer declares each op's new CUDA outputs itself (ALLOC in ``E.UNREPORTED_POOL``), so
-    only the Python tracer runs: every dispatch mode made so far (``modes``) leaves the C one."""
+    only the Python tracer runs: every dispatch mode made so far (``modes``) leaves the C one; and it learns their
+    frees from their storages (:meth:`watch`)."""
 
-    __slots__ = ("unreported", "modes")
+    __slots__ = ("unreported", "modes", "watched")
 
     def __init__(self):
         self.unreported: bool | None = None  # None: not known yet
         self.modes = weakref.WeakSet()
+        self.watched: dict[int, tuple] = {}  # base pointer -> (tracer, weak reference to the storage there)
+
+    def watch(self, tracer, dev: int, base: int, storage) -> None:
+        """The free of a block the allocator does not report, for ``tracer``: when its storage dies (PyTorch keeps a
+        storage's Python object alive as long as the storage itself, so a weak reference to it dies with the last
+        tensor on it), or when the storage is resized (:meth:`resized`). PyTorch frees a block on the stream it was
+        allocated on, after the streams recorded on it: the free the analyzer's missing-record-stream rule
+        expects."""
+        watched = self.watched
+
+        def freed(ref):
+            if watched.get(base, (None, None))[1] is ref:
+                del watched[base]
+                if tracer.tracing:
+                    tracer._emit((E.FREE, dev, base, 0))
+
+        watched[base] = (tracer, weakref.ref(storage, freed))
+
+    def resized(self, tracer, base: int) -> bool:
+        """A watched storage of ``tracer`` left its block at ``base`` (a resize): whether it was watched there."""
+        w = self.watched.get(base)
+        if w is None or w[0] is not tracer:
+            return False
+        del self.watched[base]
+        return True
+
+    def forget(self, tracer) -> None:
+        for base in [b for b, w in self.watched.items() if w[0] is tracer]:
+            del self.watched[base]
 
     def learn(self) -> bool | None:
         if self.unreported is None:
@@ -604,6 +634,7 @@ class TorchTracer:
         self._unpatch()
         if _GpuTrace.active is self:
             _GpuTrace.active = None
+        _ALLOCATOR.forget(self)
         self.buffer.flush()
 
     def _enter_mode(self):
@@ -1017,6 +1048,13 @@ class TorchTracer:
         inner = evs[mark:]
         del evs[mark:]
         allocs = [ev for ev in inner if ev[0] == E.ALLOC]
+        if new_ptr != old_ptr and _ALLOCATOR.unreported is not False and self._allocations_unreported():
+            # (the allocator reports neither the new block nor the old one's free: the resize does both)
+            if _ALLOCATOR.resized(self, old_ptr):
+                inner.append((E.FREE, dev, old_ptr, 0))
+            if new_n:
+                allocs = [(E.ALLOC, dev, new_ptr, new_n, a, stack, self.ctx, "storage", E.UNREPORTED_POOL)]
+                _ALLOCATOR.watch(self, dev, new_ptr, st)
         for i, ev in enumerate(allocs):
             if ev[2] == new_ptr and ev[3] == 0:
                 allocs[i] = (E.ALLOC, ev[1], ev[2], new_n, ev[4], ev[5], ev[6], "storage") + ev[8:]
@@ -1498,8 +1536,9 @@ class TorchTracer:
                         writes.append(r)
 
     @staticmethod
-    def _output_blocks(out) -> dict:
-        """storage pointer -> (bytes, description) of an op's CUDA outputs."""
+    def _output_blocks(out, storages=None) -> dict:
+        """storage pointer -> (bytes, description) of an op's CUDA outputs (``storages``, a dict: filled with
+        storage pointer -> the storage)."""
         sizes = {}
         if out is not None:
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
@@ -1509,6 +1548,8 @@ class TorchTracer:
                         sizes[st.data_ptr()] = (st.nbytes(), describe(t))
                     except RuntimeError:  # sparse, or a subclass without storage: no single block
                         continue
+                    if storages is not None:
+                        storages[st.data_ptr()] = st
         return sizes
 
     def _allocations_unreported(self) -> bool:
@@ -1519,9 +1560,14 @@ class TorchTracer:
 
     def _declare_outputs(self, evs, mark, out, dev, agent, stack, ctx) -> None:
         """Where the allocator reports no allocations: an op's new CUDA outputs, as allocations on its stream placed
-        before it (``E.UNREPORTED_POOL``)."""
+        before it (``E.UNREPORTED_POOL``), each freed when its storage dies (:meth:`AllocatorBackend.watch`)."""
+        storages = {}
+        blocks = self._output_blocks(out, storages)
         evs[mark:mark] = [(E.ALLOC, dev, base, size, agent, stack, ctx, what, E.UNREPORTED_POOL)
-                          for base, (size, what) in self._output_blocks(out).items() if size]
+                          for base, (size, what) in blocks.items() if size]
+        for base, (size, _what) in blocks.items():
+            if size:
+                _ALLOCATOR.watch(self, dev, base, storages[base])
 
     def _fill_alloc_sizes(self, evs, mark, out) -> None:
         """Size the allocations an op without accesses made (``empty``...) and give them the op's stack."""
