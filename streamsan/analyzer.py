@@ -571,10 +571,9 @@ class Analyzer:
             segs = sh.cover(start, end)
         else:
             sh.cover(start, end)[0].block = blk
-            if t is not None:
-                self._allocation_write(space, start, size, owner, stack, ctx, t)
             return
         h = self.vc[HOST]
+        earlier = [] if t is not None else None  # the ranges an unreporting allocator's allocation hands out again
         for seg in segs:
             ob = seg.block
             if ob is not None and not ob.freed:
@@ -587,6 +586,11 @@ class Analyzer:
             seg.block = blk
             if unreported:
                 self._end_unreported_life(seg, ob, h)
+                if ob is not None and earlier is not None:
+                    if earlier and earlier[-1][1] == seg.start:
+                        earlier[-1][1] = seg.end
+                    else:
+                        earlier.append([seg.start, seg.end])
                 continue
             # The deferred-reuse edge: accesses the allocator waited for (recorded users' and, for pinned memory,
             # every stream's), and those the host has synchronized past, are ordered before the new life.
@@ -606,17 +610,20 @@ class Analyzer:
                 elif rd.clock <= h[rd.agent] or (space == PINNED or (ob is not None and ob.recorded)) and not \
                         _survives(rd, h, ob, space):
                     seg.reads = None
-        if t is not None:
-            self._allocation_write(space, start, size, owner, stack, ctx, t)
+        if earlier:
+            self._allocation_write(space, earlier, owner, stack, ctx, t)
 
-    def _allocation_write(self, space: int, start: int, size: int, owner: int, stack: int, ctx: int,
-                          t: list) -> None:
-        """An unreporting allocator's allocation is stream-ordered work on its stream (cudaMallocAsync): a write of
-        the memory it hands out, there and then (``t``: the stream's clock, the allocation enqueued). It races with
-        the earlier life's accesses that ``_survives_unreported`` kept, and with later accesses of other streams not
-        ordered after it."""
-        r = (space, start, size)
-        self._write(r, Access(owner, t[owner], self.seq, "allocation", stack, ctx, (), (r,)), t)
+    def _allocation_write(self, space: int, earlier: list, owner: int, stack: int, ctx: int, t: list) -> None:
+        """An unreporting allocator's allocation is stream-ordered work on its stream (cudaMallocAsync): a write,
+        there and then, of the bytes it hands out again (``earlier``: [start, end) ranges a declared block held;
+        ``t``: the stream's clock, the allocation enqueued). It races with the earlier life's accesses that
+        ``_survives_unreported`` kept, and with later accesses of other streams not ordered after it. Fresh bytes get
+        no such write: with no earlier life in the trace nothing can be pending there (the reporting allocator's
+        rule too)."""
+        rs = tuple((space, lo, hi - lo) for lo, hi in earlier)
+        acc = Access(owner, t[owner], self.seq, "allocation", stack, ctx, (), rs)
+        for r in rs:
+            self._write(r, acc, t)
 
     def _end_unreported_life(self, seg, ob, h: list) -> None:
         """An unreporting allocator's allocation over a shadow range: only the accesses ``_survives_unreported``

@@ -177,8 +177,9 @@ class Oracle:
                                      if g in self.latest] for old in set(ended.values()) if old is not None}
                     self.unreported_ends.append((seq, blk.space, ended, handing, self.latest.get(E.HOST)))
                     n = self.op_node[seq] = self._enqueue(blk.owner)
-                    for b in ended:
-                        self.acc[(blk.space, b)].append(Access(seq, n, blk.owner, True, seq))
+                    for b, old in ended.items():
+                        if old is not None:  # (fresh bytes: no earlier life, no allocation write)
+                            self.acc[(blk.space, b)].append(Access(seq, n, blk.owner, True, seq))
                     end = blk.start + blk.size
                     for key, old in list(live.items()):
                         if old.space == blk.space and old.start < end and blk.start < old.start + old.size:

@@ -499,9 +499,8 @@ class AllocatorBackend:
 
 _ALLOCATOR = AllocatorBackend()
 UNREPORTED_NOTE = ("PyTorch's cudaMallocAsync allocator backend reports no allocations or frees: streamsan takes "
-                   "each op's new outputs as memory allocated on the op's stream (after what the memory's earlier "
-                   "owner stream and its record_stream users had seen), finds a missing record_stream as a race "
-                   "with the memory's next allocation, and runs its Python tracer")
+                   "each op's new outputs as memory allocated on the op's stream, freed when their storage dies, and "
+                   "runs its Python tracer")
 
 
 class HostViews:

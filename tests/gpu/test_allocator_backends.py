@@ -1,6 +1,7 @@
 """The same programs under PyTorch's CUDA allocator configurations (tests/gpu/alloc_backend_programs.py, one child
 process each): the native caching allocator, with expandable segments, and the cudaMallocAsync backend, which
-reports no allocations or frees (streamsan declares each op's new outputs, docs/semantics.md)."""
+reports no allocations or frees (streamsan declares each op's new outputs and learns their frees from their
+storages, docs/semantics.md); and every scenario table of tests/gpu under cudaMallocAsync."""
 
 import json
 import os
@@ -42,6 +43,24 @@ def test_findings_under_each_allocator(conf):
     assert {k: v["findings"] for k, v in got["programs"].items() if k in EXPECTED[conf]} == EXPECTED[conf]
     frees = {k: v["frees"] for k, v in got["programs"].items()}
     allocs = {k: v["allocs"] for k, v in got["programs"].items()}
-    assert all(n > 0 for n in allocs.values()), allocs  # declared by the tracer where the allocator is silent
-    assert (all(n == 0 for n in frees.values()) if unreported else all(n > 0 for n in frees.values())), frees
+    # declared by the tracer where the allocator is silent: allocations from the ops' outputs, frees from the deaths
+    # of their storages
+    assert all(n > 0 for n in allocs.values()), allocs
+    assert all(n > 0 for n in frees.values()), frees
     assert bool(got["notes"]) == unreported
+
+
+# Every scenario table, with its module's UNDER_CUDA_MALLOC_ASYNC exceptions (scenario_kit.scenario_tests).
+TABLES = sorted(p.name for p in Path(__file__).parent.glob("test_*.py")
+                if "scenario_tests(" in p.read_text() and p.name != Path(__file__).name)
+
+
+def test_every_scenario_table_under_cuda_malloc_async():
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    env.pop("STREAMSAN_RECORD_DIR", None)
+    here = Path(__file__).parent
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rf",
+                          *[str(here / t) for t in TABLES]], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=here.parent.parent)
+    assert len(TABLES) >= 15, TABLES
+    assert out.returncode == 0, out.stdout[-6000:]

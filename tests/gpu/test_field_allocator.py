@@ -353,7 +353,12 @@ EXPECTED = {
     "mempool_block_not_reused_outside_pool": [],
 }
 
-test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED)
+NO_POOLS = "PyTorch's cudaMallocAsync backend has no private memory pools (MemPool)"
+UNDER_CUDA_MALLOC_ASYNC = {"mempool_block_reused_without_record_stream": NO_POOLS, "mempool_block_recorded": NO_POOLS,
+                           "mempool_block_not_reused_outside_pool": NO_POOLS}
+
+test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED,
+                                                                       under_async=UNDER_CUDA_MALLOC_ASYNC)
 
 
 # ================================================================== PyTorch <-> CuPy (skipped without CuPy)
