@@ -31,7 +31,8 @@ ALLOC          (9, space, start, size, agent, stack, ctx, what[, pool])   owner 
                what: a short description of the first tensor, e.g. "bfloat16[1, 8, 512, 128]"; pool: the id of
                the private memory pool the block comes from (``torch.cuda.use_mem_pool``), absent or 0 for the
                owner stream's own free lists, ``UNREPORTED_POOL`` for memory of an allocator that reports no
-               allocations or frees (the tracer declares each op's new outputs; see UNREPORTED_POOL)
+               allocations or frees (the tracer declares each op's new outputs, and their frees when their storage
+               dies; see UNREPORTED_POOL)
 FREE           (10, space, start, stack)
 RECORD_STREAM  (11, space, start, agent, stack) the block at start is also used by that stream
 LABEL          (12, space, start, size, label)  a human name for memory, e.g. "cache.layers[3].keys"
@@ -53,10 +54,11 @@ MAX_AGENT = 1 << 11
 UNTRACED_REFILL = "refill outside traced calls"
 # The ALLOC pool of memory from a stream-ordered allocator that reports neither allocations nor frees (PyTorch's
 # cudaMallocAsync backend: cudaMallocAsync / cudaFreeAsync, the driver's pool). The tracer declares each op's new
-# outputs itself. The driver hands freed memory to any stream, ordered after the free on the stream it was freed on,
-# and PyTorch frees a block on the stream it was allocated on once its record_stream users reach that point; so
-# an allocation is a write on its stream, and over a block still live (its free was not seen) it ends that block's
-# life: what its owner and recorded users had seen comes before it, other streams' accesses race with it.
+# outputs itself, and a FREE when the storage dies. The driver hands freed memory to any stream, ordered after the
+# free on the stream it was freed on, and PyTorch frees a block on the stream it was allocated on once its
+# record_stream users reach that point; so an allocation is work on its stream, a write of the bytes a declared
+# block held, and over a block still live (its free was not seen) it ends that block's life: what its owner and
+# recorded users had seen comes before it, other streams' accesses race with it (docs/semantics.md).
 UNREPORTED_POOL = -1
 
 DEF_STACK = 0
