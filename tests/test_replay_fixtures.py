@@ -11,7 +11,11 @@ paths (``transformers-*``, test_transformers_paths.py: generate with each cache,
 passes on streams (test_autograd_streams.py) and training steps of DDP, FSDP (both APIs), tensor parallelism, activation
 checkpointing and AMP (test_parallel_libs.py: all clean); ``expected_bench.json``: one whole run of the benchmark's
 decode loop (bench/bench.py: an 8-layer Qwen3, 512-token prompt, 32 steps; about 50k events each), resident (clean)
-and with ``DynamicCache(offloading=True)`` (transformers 5.17's offloading bug).
+and with ``DynamicCache(offloading=True)`` (transformers 5.17's offloading bug); ``expected_async.json``
+(``async-*``): the torch scenarios and the allocator, training, inference, serving and thread/event field scenarios
+under PyTorch's cudaMallocAsync allocator, which reports no allocations or frees (the tracer declares them): the
+native allocator's findings, but for the one exception of test_torch_scenarios.py's UNDER_CUDA_MALLOC_ASYNC and the
+known false report of test_field_inference.py.
 
 The traces are real PyTorch programs (torch 2.11, CUDA 13); CI has no GPU, so this is how it checks the whole
 path from a live program's events to findings.
@@ -29,7 +33,8 @@ EXPECTED = {**json.loads((FIXTURES / "expected.json").read_text()),  # tests/gpu
             **json.loads((FIXTURES / "expected_cupy.json").read_text()),  # tests/gpu/test_cupy_scenarios.py
             **json.loads((FIXTURES / "expected_more.json").read_text()),
             **json.loads((FIXTURES / "expected_field.json").read_text()),
-            **json.loads((FIXTURES / "expected_bench.json").read_text())}
+            **json.loads((FIXTURES / "expected_bench.json").read_text()),
+            **json.loads((FIXTURES / "expected_async.json").read_text())}
 
 
 def summarize(report):
@@ -141,3 +146,22 @@ def test_a_replayed_memory_pool_block_waits_for_its_pool():
     assert pools == 1
     assert [(f.kind, f.previous.name, f.current.name) for f in stripped.sorted_findings()] == [
         ("missing-record-stream", "aten::mul.Tensor", "allocation")]
+
+
+def test_the_cuda_malloc_async_traces_have_only_declared_blocks_and_their_frees():
+    """Every device allocation of the async-* traces is one the tracer declared (E.UNREPORTED_POOL), and the frees it
+    learnt from storage deaths are there: the rule for an unreporting allocator is what these replays check."""
+    from streamsan import events as E
+    from streamsan.trace import TraceReader
+
+    allocs = frees = 0
+    for path in sorted(FIXTURES.glob("async-*.sstrace")):
+        r = TraceReader(str(path))
+        for batch in r.batches():
+            for ev in batch:
+                if ev[0] == E.ALLOC and ev[1] != E.PINNED:
+                    assert len(ev) > 8 and ev[8] == E.UNREPORTED_POOL, (path.name, ev)
+                    allocs += 1
+                frees += ev[0] == E.FREE
+        r.f.close()
+    assert allocs > 700 and frees > 700, (allocs, frees)  # (716 and 716 when recorded)
