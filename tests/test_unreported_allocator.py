@@ -231,3 +231,24 @@ def test_a_seen_free_finds_the_missing_record_stream_at_the_owner_s_next_allocat
     check(fs[0], MISSING_RECORD_STREAM, (B, "cat"), (A, "allocation"), BASE, BASE + KB, prev_write=False,
           cur_write=True)
     assert fs[0].reused is False
+
+
+def test_no_block_is_watched_where_storage_objects_die_before_their_storage(monkeypatch):
+    """A torch whose storages' Python objects die with the temporary that made them would free every block at once:
+    nothing is watched there."""
+    torch = pytest.importorskip("torch")
+    from streamsan.tracers import torch as torch_tracer
+
+    monkeypatch.setattr(torch_tracer, "_storage_objects_live_with_their_storage", lambda: False)
+    b, tracer = torch_tracer.AllocatorBackend(), _Emits()
+    x = torch.zeros(64)
+    b.watch(tracer, 0, x.untyped_storage().data_ptr(), x.untyped_storage())
+    del x
+    assert tracer.events == [] and b.watched == {}
+
+
+def test_this_torch_keeps_storage_objects_alive_with_their_storage():
+    pytest.importorskip("torch")
+    from streamsan.tracers.torch import _storage_objects_live_with_their_storage
+
+    assert _storage_objects_live_with_their_storage()

@@ -448,19 +448,24 @@ class AllocatorBackend:
     only the Python tracer runs: every dispatch mode made so far (``modes``) leaves the C one; and it learns their
     frees from their storages (:meth:`watch`)."""
 
-    __slots__ = ("unreported", "modes", "watched")
+    __slots__ = ("unreported", "modes", "watched", "deaths_seen")
 
     def __init__(self):
         self.unreported: bool | None = None  # None: not known yet
         self.modes = weakref.WeakSet()
         self.watched: dict[int, tuple] = {}  # base pointer -> (tracer, weak reference to the storage there)
+        self.deaths_seen: bool | None = None  # whether a storage's death can be watched (learnt at the first watch)
 
     def watch(self, tracer, dev: int, base: int, storage) -> None:
         """The free of a block the allocator does not report, for ``tracer``: when its storage dies (PyTorch keeps a
         storage's Python object alive as long as the storage itself, so a weak reference to it dies with the last
         tensor on it), or when the storage is resized (:meth:`resized`). PyTorch frees a block on the stream it was
         allocated on, after the streams recorded on it: the free the analyzer's missing-record-stream rule
-        expects."""
+        expects. Not where PyTorch lets a storage's Python object die before the storage (then no free is seen)."""
+        if self.deaths_seen is None:
+            self.deaths_seen = _storage_objects_live_with_their_storage()
+        if not self.deaths_seen:
+            return
         watched = self.watched
 
         def freed(ref):
@@ -495,6 +500,16 @@ class AllocatorBackend:
                 for mode in list(self.modes):
                     mode.__dict__.pop("__torch_dispatch__", None)  # (PyTorch looks it up at every op)
         return self.unreported
+
+
+def _storage_objects_live_with_their_storage() -> bool:
+    """Whether a storage's Python object stays alive while a tensor holds the storage (PyTorch's PyObject
+    preservation for storages), so that a weak reference to it dies with the storage."""
+    t = torch.empty(1)
+    ref = weakref.ref(t.untyped_storage())
+    alive = ref() is not None
+    del t
+    return alive and ref() is None
 
 
 _ALLOCATOR = AllocatorBackend()
