@@ -146,6 +146,8 @@ class Analyzer:
         self.contexts: dict[int, str] = {0: ""}
         self._loc_cache: dict[int, str] = {}
         self.findings: dict[str, Finding] = {}
+        # (the access whose races are being reported, {id(earlier access): (it, the finding it made or None)}): the
+        # fragments of one pair of accesses count once
         self._last_race = None
         self.keep_occurrences = keep_occurrences
         self.occurrences: list[Occurrence] = []

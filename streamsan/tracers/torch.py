@@ -485,6 +485,7 @@ class AllocatorBackend:
         return True
 
     def forget(self, tracer) -> None:
+        """A stopped tracer's blocks are watched no more."""
         for base in [b for b, w in self.watched.items() if w[0] is tracer]:
             del self.watched[base]
 
