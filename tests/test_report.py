@@ -240,7 +240,8 @@ def test_environment_says_the_python_tracer_runs_under_cuda_malloc_async(monkeyp
 
     monkeypatch.delenv("STREAMSAN_CORE", raising=False)
     monkeypatch.setattr(_ALLOCATOR, "unreported", True)
-    assert tracer_core() == "python (PyTorch's cudaMallocAsync allocator: the tracer declares allocations)"
+    monkeypatch.setattr(_ALLOCATOR, "name", "cudaMallocAsync")
+    assert tracer_core() == "python (PyTorch's cudaMallocAsync CUDA allocator: the tracer declares allocations)"
 
 
 def test_environment_reads_nvml(monkeypatch):

@@ -163,6 +163,13 @@ def test_cuda_malloc_async_takes_every_mode_off_the_c_tracer(monkeypatch):
     assert "__torch_dispatch__" not in vars(mode)
 
 
+def test_a_program_s_own_allocator_takes_every_mode_off_the_c_tracer(monkeypatch):
+    """``torch.cuda.memory.change_current_allocator`` (RMM's, say): PyTorch's GPU trace hears nothing from it."""
+    b, mode, asked = _backend(monkeypatch, True, "pluggable")
+    assert b.learn() is True and asked == [1] and b.name == "pluggable"
+    assert "__torch_dispatch__" not in vars(mode)
+
+
 def test_the_native_allocator_changes_nothing(monkeypatch):
     b, mode, _ = _backend(monkeypatch, True, "native")
     assert b.learn() is False

@@ -66,7 +66,7 @@ def tracer_core() -> str:
         return "python (STREAMSAN_CORE=python)"
     allocator = getattr(sys.modules.get("streamsan.tracers.torch"), "_ALLOCATOR", None)
     if allocator is not None and allocator.unreported:
-        return "python (PyTorch's cudaMallocAsync allocator: the tracer declares allocations)"
+        return f"python (PyTorch's {allocator.name} CUDA allocator: the tracer declares allocations)"
     try:
         from .. import _ctracer
     except ImportError:

@@ -439,19 +439,27 @@ def _log_callback_error(what: str) -> None:
 MAX_ATTRIBUTES = 30
 
 
+# PyTorch's CUDA allocators that report nothing to its GPU trace: the cudaMallocAsync backend, and an allocator
+# of the program's own (``torch.cuda.memory.change_current_allocator``, e.g. RMM's), which allocates on the current
+# stream and frees on the stream it allocated on.
+UNREPORTING_BACKENDS = ("cudaMallocAsync", "pluggable")
+
+
 class AllocatorBackend:
     """Whether PyTorch's CUDA allocator reports its allocations and frees to the GPU trace (the native caching
-    allocator does; the ``cudaMallocAsync`` backend does not). Known once CUDA is initialized (asking earlier
-    would read ``PYTORCH_CUDA_ALLOC_CONF`` before the program sets it), the same for the whole process.
+    allocator does; ``UNREPORTING_BACKENDS`` do not). Known once CUDA is initialized (asking earlier would read
+    ``PYTORCH_CUDA_ALLOC_CONF`` before the program sets it, and a program's own allocator must be in place by
+    then), the same for the whole process; ``name`` is the backend's.
 
     Where it does not, the tracer declares each op's new CUDA outputs itself (ALLOC in ``E.UNREPORTED_POOL``), so
     only the Python tracer runs: every dispatch mode made so far (``modes``) leaves the C one; and it learns their
     frees from their storages (:meth:`watch`)."""
 
-    __slots__ = ("unreported", "modes", "watched", "deaths_seen")
+    __slots__ = ("unreported", "name", "modes", "watched", "deaths_seen")
 
     def __init__(self):
         self.unreported: bool | None = None  # None: not known yet
+        self.name = ""
         self.modes = weakref.WeakSet()
         self.watched: dict[int, tuple] = {}  # base pointer -> (tracer, weak reference to the storage there)
         self.deaths_seen: bool | None = None  # whether a storage's death can be watched (learnt at the first watch)
@@ -494,7 +502,8 @@ class AllocatorBackend:
             try:
                 if not torch.cuda.is_initialized():
                     return None
-                self.unreported = torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+                self.name = torch.cuda.get_allocator_backend()
+                self.unreported = self.name in UNREPORTING_BACKENDS
             except Exception:  # a torch without the query: its only allocator is the native one
                 self.unreported = False
             if self.unreported:
@@ -514,9 +523,9 @@ def _storage_objects_live_with_their_storage() -> bool:
 
 
 _ALLOCATOR = AllocatorBackend()
-UNREPORTED_NOTE = ("PyTorch's cudaMallocAsync allocator backend reports no allocations or frees: streamsan takes "
-                   "each op's new outputs as memory allocated on the op's stream, freed when their storage dies, and "
-                   "runs its Python tracer")
+UNREPORTED_NOTE = ("PyTorch's {} CUDA allocator reports no allocations or frees: streamsan takes each op's new "
+                   "outputs as memory allocated on the op's stream, freed when their storage dies, and runs its "
+                   "Python tracer")
 
 
 class HostViews:
@@ -1570,7 +1579,7 @@ class TorchTracer:
     def _allocations_unreported(self) -> bool:
         """Whether the allocator reports no allocations (:class:`AllocatorBackend`), learnt once CUDA is up."""
         if _ALLOCATOR.unreported is None and _ALLOCATOR.learn():
-            self._note_once("unreported-allocs", UNREPORTED_NOTE)
+            self._note_once("unreported-allocs", UNREPORTED_NOTE.format(_ALLOCATOR.name))
         return bool(_ALLOCATOR.unreported)
 
     def _declare_outputs(self, evs, mark, out, dev, agent, stack, ctx) -> None:

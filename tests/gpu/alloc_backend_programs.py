@@ -1,10 +1,12 @@
 """Small programs run under each CUDA allocator configuration by test_allocator_backends.py, in a child process
-(PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA starts): four of test_torch_scenarios.py's and one of its own.
+(PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA starts; ``STREAMSAN_TEST_ALLOCATOR``: a shared library whose
+``ss_alloc`` / ``ss_free`` become PyTorch's CUDA allocator): four of test_torch_scenarios.py's and one of its own.
 Prints one JSON line: the allocator backend, the torch tracer's notes, and per program the (kind, previous op,
 current op) of each finding and the ALLOC / FREE events the session saw."""
 
 import collections
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +44,10 @@ PROGRAMS = (churn_across_streams, missing_record_stream, record_stream_right, wr
 
 
 def main():
+    so = os.environ.get("STREAMSAN_TEST_ALLOCATOR")
+    if so:  # a program's own allocator (stream_ordered_alloc.c), in place before CUDA starts
+        torch.cuda.memory.change_current_allocator(
+            torch.cuda.memory.CUDAPluggableAllocator(so, "ss_alloc", "ss_free"))
     out = {"programs": {}}
     for prog in PROGRAMS:
         kinds = collections.Counter()
@@ -54,7 +60,7 @@ def main():
         out["programs"][prog.__name__] = {
             "findings": [[f.kind, f.previous.name, f.current.name] for f in s.findings],
             "allocs": kinds[E.ALLOC], "frees": kinds[E.FREE]}
-        out["notes"] = sorted(set(out.get("notes", [])) | {n for n in s.problems if "cudaMallocAsync" in n})
+        out["notes"] = sorted(set(out.get("notes", [])) | {n for n in s.problems if "reports no allocations" in n})
     out["backend"] = torch.cuda.get_allocator_backend()
     print(json.dumps(out))
 

@@ -1,10 +1,12 @@
 """The same programs under PyTorch's CUDA allocator configurations (tests/gpu/alloc_backend_programs.py, one child
-process each): the native caching allocator, with expandable segments, and the cudaMallocAsync backend, which
-reports no allocations or frees (streamsan declares each op's new outputs and learns their frees from their
-storages, docs/semantics.md); and every scenario table of tests/gpu under cudaMallocAsync."""
+process each): the native caching allocator, with expandable segments, the cudaMallocAsync backend and a program's
+own stream-ordered allocator (stream_ordered_alloc.c), the last two reporting no allocations or frees (streamsan
+declares each op's new outputs and learns their frees from their storages, docs/semantics.md); and every scenario
+table of tests/gpu under cudaMallocAsync."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,15 +33,36 @@ EXPECTED = {
 }
 
 
+# A program's own allocator (torch.cuda.memory.change_current_allocator, stream_ordered_alloc.c: stream-ordered, as
+# RMM's asynchronous resource) is a stream-ordered allocator PyTorch's GPU trace hears nothing from: the same findings
+PLUGGABLE = "pluggable"
+EXPECTED[PLUGGABLE] = EXPECTED["backend:cudaMallocAsync"]
+BACKEND = {"": "native", "expandable_segments:True": "native", "backend:cudaMallocAsync": "cudaMallocAsync",
+           PLUGGABLE: "pluggable"}
+
+
+def _allocator_library(tmp_path) -> str:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler for the test allocator")
+    so = tmp_path / "stream_ordered_alloc.so"
+    src = Path(__file__).with_name("stream_ordered_alloc.c")
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(so), str(src), "-ldl"], check=True, capture_output=True,
+                   timeout=60)
+    return str(so)
+
+
 @pytest.mark.parametrize("conf", list(EXPECTED), ids=lambda c: c or "native")
-def test_findings_under_each_allocator(conf):
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
+def test_findings_under_each_allocator(conf, tmp_path):
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="" if conf == PLUGGABLE else conf)
     env.pop("STREAMSAN_RECORD_DIR", None)
+    if conf == PLUGGABLE:
+        env["STREAMSAN_TEST_ALLOCATOR"] = _allocator_library(tmp_path)
     out = subprocess.run([sys.executable, str(PROGRAMS)], env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    unreported = conf == "backend:cudaMallocAsync"
-    assert got["backend"] == ("cudaMallocAsync" if unreported else "native")
+    unreported = BACKEND[conf] != "native"
+    assert got["backend"] == BACKEND[conf]
     assert {k: v["findings"] for k, v in got["programs"].items() if k in EXPECTED[conf]} == EXPECTED[conf]
     frees = {k: v["frees"] for k, v in got["programs"].items()}
     allocs = {k: v["allocs"] for k, v in got["programs"].items()}
