@@ -53,7 +53,8 @@ MAX_AGENT = 1 << 11
 # between two asynchronous copies out of them (streamsan.tracers.staging); reports explain it as such.
 UNTRACED_REFILL = "refill outside traced calls"
 # The ALLOC pool of memory from a stream-ordered allocator that reports neither allocations nor frees (PyTorch's
-# cudaMallocAsync backend: cudaMallocAsync / cudaFreeAsync, the driver's pool). The tracer declares each op's new
+# cudaMallocAsync backend: cudaMallocAsync / cudaFreeAsync, the driver's pool; or a program's own allocator, e.g.
+# RMM's, through torch.cuda.memory.change_current_allocator). The tracer declares each op's new
 # outputs itself, and a FREE when the storage dies. The driver hands freed memory to any stream, ordered after the
 # free on the stream it was freed on, and PyTorch frees a block on the stream it was allocated on once its
 # record_stream users reach that point; so an allocation is work on its stream, a write of the bytes a declared
