@@ -103,3 +103,30 @@ def test_a_storage_resize_allocates_copies_then_frees(tracer, monkeypatch):
     assert evs[0][1:5] == (0, 0x9000, 128, a) and evs[0][7] == "storage"
     assert evs[1][1:5] == (a, "UntypedStorage.resize_", ((0, 0x5000, 64),), ((0, 0x9000, 64),))
     assert evs[2][:3] == (E.FREE, 0, 0x5000)
+
+
+def test_a_storage_resize_is_located_at_the_user_s_call(tracer, monkeypatch):
+    """The resize's events carry the stack of the line that called ``resize_`` (through streamsan's own wrapper
+    frame), not of that line's caller."""
+    import inspect
+    import types
+
+    from streamsan.tracers import torch as tt
+
+    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
+    st = types.SimpleNamespace(device=types.SimpleNamespace(index=0), ptr=0x5000, n=64)
+    st.data_ptr, st.nbytes = (lambda: st.ptr), (lambda: st.n)
+
+    def orig(storage, size):
+        storage.ptr, storage.n = 0x9000, size
+
+    wrapper = {}  # streamsan's resize_ wrapper stands between the user's line and _storage_resize
+    exec(compile("def resize_(st, size):\n    return tracer._storage_resize(orig, st, size)\n", tt.__file__, "exec"),
+         {"tracer": tracer, "orig": orig}, wrapper)
+    tracer.tracing = True
+    line = inspect.currentframe().f_lineno + 1
+    wrapper["resize_"](st, 128)
+    evs = tracer.buffer.events
+    (op,) = [ev for ev in evs if ev[0] == E.OP]
+    frames = next(ev[2] for ev in evs if ev[0] == E.DEF_STACK and ev[1] == op[5])
+    assert frames[0][:2] == (__file__, line)

@@ -1054,7 +1054,7 @@ class TorchTracer:
         try:
             dev = st.device.index
             old_ptr, old_n = st.data_ptr(), st.nbytes()
-            stack = self.stacks.capture(self.buffer.events, 3)
+            stack = self.stacks.capture(self.buffer.events, 2)  # (from the resize_ wrapper's caller)
         except Exception as exc:
             self._stop_on_bug(exc, "UntypedStorage.resize_")
             return orig(st, size)
@@ -1776,7 +1776,8 @@ class TorchTracer:
         dev, handle = _stream_key(s)
         a = self.agent(dev, handle)
         base = t.untyped_storage().data_ptr()
-        self._emit((E.RECORD_STREAM, t.get_device(), base, a, self.stacks.capture(self.buffer.events, 3)))
+        # (from the caller of whoever called this: the record_stream wrapper or the dispatch, both streamsan's)
+        self._emit((E.RECORD_STREAM, t.get_device(), base, a, self.stacks.capture(self.buffer.events, 2)))
 
 
 def _kernel_position(inner: list, agent: int, collective: bool) -> tuple[int, int]:
