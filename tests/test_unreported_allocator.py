@@ -259,3 +259,71 @@ def test_this_torch_keeps_storage_objects_alive_with_their_storage():
     from streamsan.tracers.torch import _storage_objects_live_with_their_storage
 
     assert _storage_objects_live_with_their_storage()
+
+
+@pytest.fixture
+def unreporting(monkeypatch):
+    """A torch tracer, tracing, under an allocator backend that reports nothing (the process's one swapped out)."""
+    pytest.importorskip("torch")
+    from streamsan.sink import EventBuffer
+    from streamsan.tracers import torch as tt
+
+    backend = tt.AllocatorBackend()
+    backend.unreported, backend.name = True, "cudaMallocAsync"
+    monkeypatch.setattr(tt, "_ALLOCATOR", backend)
+    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
+    tracer = tt.TorchTracer(EventBuffer())
+    tracer.tracing = True
+    return tracer
+
+
+def test_an_op_s_declared_output_is_freed_when_its_last_tensor_dies(unreporting):
+    from torch_kit import cuda_like
+
+    tracer = unreporting
+    out = cuda_like(16)
+    base = out.untyped_storage().data_ptr()
+    evs = tracer.buffer.events
+    mark = len(evs)
+    tracer._declare_outputs(evs, mark, out, 0, A, 5, 0)
+    view = out[4:]
+    del out
+    assert evs[mark:] == [(E.ALLOC, 0, base, 64, A, 5, 0, "float32[16]", UNREPORTED_POOL)]
+    del view
+    assert evs[mark + 1:] == [(E.FREE, 0, base, 0)]
+
+
+class _Storage:
+    """Stands for a CUDA storage a resize moves (weakly referenceable, as PyTorch's are)."""
+
+    def __init__(self, ptr, n):
+        self.device = type("Device", (), {"index": 0})()
+        self.ptr, self.n = ptr, n
+
+    def data_ptr(self):
+        return self.ptr
+
+    def nbytes(self):
+        return self.n
+
+
+def test_a_storage_resize_declares_the_new_block_and_frees_the_old_one(unreporting):
+    """FSDP's ``resize_`` of a flat parameter's storage: no callback reports the new block or the old one's free."""
+    from streamsan.tracers import torch as tt
+
+    tracer = unreporting
+    st = _Storage(0x5000, 64)
+    tt._ALLOCATOR.watch(tracer, 0, 0x5000, st)  # declared when an op made it
+
+    def orig(storage, size):
+        storage.ptr, storage.n = 0x9000, size
+
+    mark = len(tracer.buffer.events)
+    tracer._storage_resize(orig, st, 128)
+    a = tracer.agent(0, 0x1000)
+    evs = [ev for ev in tracer.buffer.events[mark:] if ev[0] not in (E.STREAM, E.DEF_STACK)]
+    assert [ev[0] for ev in evs] == [E.ALLOC, E.OP, E.FREE]
+    assert evs[0][1:5] == (0, 0x9000, 128, a) and evs[0][7:] == ("storage", UNREPORTED_POOL)
+    assert evs[1][1:5] == (a, "UntypedStorage.resize_", ((0, 0x5000, 64),), ((0, 0x9000, 64),))
+    assert evs[2] == (E.FREE, 0, 0x5000, 0)
+    assert set(tt._ALLOCATOR.watched) == {0x9000}  # the storage, watched at its new block
