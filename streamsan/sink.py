@@ -21,18 +21,29 @@ class EventBuffer:
         self.batch = batch
         self.total = 0
         self._lock = threading.Lock()
+        self._flushing = None  # the thread flushing now
         self._ctx_ids: dict[str, int] = {}
         self._ctx_texts: dict[int, str] = {}
 
     def flush(self) -> None:
+        """Hand the pending events to every consumer, in order. A flush asked for from inside a consumer (by a
+        callback that runs there: a garbage collection that frees a tensor fires PyTorch's free callback) returns at
+        once, and its events go with the next flush: waiting for the flush in progress would wait forever."""
+        me = threading.get_ident()
+        if self._flushing == me:
+            return
         with self._lock:
-            evs = self.events
-            if not evs:
-                return
-            self.events = []
-            self.total += len(evs)
-            for consume in self.consumers:
-                consume(evs)
+            self._flushing = me
+            try:
+                evs = self.events
+                if not evs:
+                    return
+                self.events = []
+                self.total += len(evs)
+                for consume in self.consumers:
+                    consume(evs)
+            finally:
+                self._flushing = None
 
     def context_text(self, cid: int) -> str:
         return self._ctx_texts.get(cid, "")
