@@ -24,7 +24,8 @@ class StreamRegistry:
         self.by_handle: dict[int, int] = {}
         self.flags_of: dict[tuple[int, int], int] = {}
         self._next = 1  # agent ids are never reused (a forgotten handle's agent keeps its history)
-        self._lock = threading.Lock()
+        # (re-entrant: a garbage collection inside _declare can run a callback that declares another stream)
+        self._lock = threading.RLock()
 
     def agent(self, device: int, handle: int, flags: int | None = None) -> int:
         a = self.agent_of.get((device, handle))
