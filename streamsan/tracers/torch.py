@@ -1054,7 +1054,7 @@ class TorchTracer:
         try:
             dev = st.device.index
             old_ptr, old_n = st.data_ptr(), st.nbytes()
-            stack = self.stacks.capture(self.buffer.events, 2)  # (from the resize_ wrapper's caller)
+            stack = self.stacks.outside(self.buffer.events)
         except Exception as exc:
             self._stop_on_bug(exc, "UntypedStorage.resize_")
             return orig(st, size)
@@ -1569,11 +1569,12 @@ class TorchTracer:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     try:
                         st = t.untyped_storage()
-                        sizes[st.data_ptr()] = (st.nbytes(), describe(t))
+                        ptr = st.data_ptr()
+                        sizes[ptr] = (st.nbytes(), describe(t))
                     except RuntimeError:  # sparse, or a subclass without storage: no single block
                         continue
                     if storages is not None:
-                        storages[st.data_ptr()] = st
+                        storages[ptr] = st
         return sizes
 
     def _allocations_unreported(self) -> bool:
@@ -1776,8 +1777,7 @@ class TorchTracer:
         dev, handle = _stream_key(s)
         a = self.agent(dev, handle)
         base = t.untyped_storage().data_ptr()
-        # (from the caller of whoever called this: the record_stream wrapper or the dispatch, both streamsan's)
-        self._emit((E.RECORD_STREAM, t.get_device(), base, a, self.stacks.capture(self.buffer.events, 2)))
+        self._emit((E.RECORD_STREAM, t.get_device(), base, a, self.stacks.outside(self.buffer.events)))
 
 
 def _kernel_position(inner: list, agent: int, collective: bool) -> tuple[int, int]:
