@@ -138,14 +138,38 @@ def test_an_op_on_a_wrapper_subclass_accesses_its_inner_tensors(traced):
                                   base + 32)]
 
 
-# ------------------------------------------------------------------ views of memory an asynchronous D2H copy wrote
+# ------------------------------------------------------------------ views that see each access when it happens
 @pytest.fixture
 def written(traced):
-    """As ``traced``, the tracer knowing that the copy into the pinned tensor was asynchronous (as it learns from a
-    non-blocking device-to-host copy on a GPU)."""
-    tracer, analyzer, host = traced
-    tracer.views.async_written.add(host.untyped_storage().data_ptr())
-    return tracer, analyzer, host
+    """As ``traced`` (its pinned tensor just written by an asynchronous copy)."""
+    return traced
+
+
+def test_a_view_made_before_the_copies_sees_the_reads_after_them():
+    """vLLM's input batches make ``t.numpy()`` views of their pinned tensors once, at start; the non-blocking
+    device-to-host copies come later, each step, and the host reads the view in the next step. The view lives
+    to the end of the program (its read at death comes after the last synchronization): only a read seen when
+    it happens can be found."""
+    analyzer = Analyzer()
+    tracer = TorchTracer(EventBuffer([analyzer.feed]))
+    host = torch.zeros(16, dtype=torch.float32)
+    st = host.untyped_storage()
+    base = st.data_ptr()
+    tracer.buffer.events.append(E.stream(SIDE, 0, 0x1000))
+    pin(tracer, host, what="float32[16]")
+    tracer.start()
+    try:
+        view = host.numpy()  # made before any copy writes the memory
+        copy = E.op(SIDE, "aten::copy_", writes=[E.rng(E.PINNED, base, st.nbytes())])
+        tracer.buffer.events.append(copy)  # step 1's copy into the pinned tensor
+        accepted = view[:4] - 1  # step 2 reads it: no synchronization in between
+        tracer.buffer.events.append(copy)
+        tracer.buffer.events.append(E.stream_sync(SIDE))
+        view[4:8] += 1  # after the synchronization: clean
+    finally:
+        tracer.stop()
+    assert accepted.tolist() == [-1.0] * 4
+    assert finding(analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "numpy.subtract"), base, base + 16)]
 
 
 def test_such_views_report_each_read_when_it_happens(written):

@@ -4,10 +4,10 @@
 ufunc calls (``p.sum()``, ``p + 1``, ``p += 1``), NumPy functions (``np.copyto(p, ...)``, ``np.sum(p)``), the
 methods that touch memory (``fill``, ``sort``, ``copy``, ``astype``, ``item``, ``tolist``, ``tobytes``...) and
 indexing are reported, when they happen, as host accesses of the bytes they touch. A tracer hands such views out
-(the CuPy tracer for ``cupyx.*_pinned``, the torch tracer for ``Tensor.numpy()`` of memory a device-to-host copy
-writes asynchronously) and attaches itself while it runs (:func:`attach`): an owner answers ``pinned_range(array)``
-(the PINNED range of an array over its pinned memory, or None) and takes ``host_op(name, reads, writes)``. With no
-owner attached the views behave exactly as plain arrays.
+(the CuPy tracer for ``cupyx.*_pinned``, the torch tracer for ``Tensor.numpy()`` of pinned memory) and attaches
+itself while it runs (:func:`attach`): an owner answers ``pinned_range(array)`` (the PINNED range of an array over
+its pinned memory, or None) and takes ``host_op(name, reads, writes)``. With no owner attached the views behave
+exactly as plain arrays.
 """
 
 from __future__ import annotations

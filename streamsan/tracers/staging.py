@@ -2,7 +2,7 @@
 
 Programs refill a pinned host buffer and copy it to the GPU asynchronously, step after step: vLLM's input
 buffers, a CuPy staging array, a ring of pinned slots. The refill often goes through memory the tracer cannot
-watch: a NumPy view made long before, a C extension, ``ctypes.memmove``. If it comes before the stream has
+watch: a C extension, ``ctypes.memmove``, a plain NumPy array over the memory. If it comes before the stream has
 finished the previous copy out of the buffer, that copy reads the new bytes.
 
 :class:`PinnedStaging` keeps the bytes each small asynchronous host-to-device copy read, by the address it

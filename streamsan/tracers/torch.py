@@ -11,8 +11,8 @@ What it watches:
   (patched, on ``torch.cuda`` and on the generic ``torch.Event`` / ``torch.Stream``), copies into pageable
   host memory (CUDA returns only after them: modelled as a host sync),
   pinned allocations (outputs of pinning ops and of non-blocking device-to-host copies), host reads that
-  launch no aten op (``Tensor.tolist()``; ``Tensor.numpy()`` views, read when the array is gone, and over memory
-  an asynchronous device-to-host copy writes also read as they read, :mod:`.pinned_numpy`) on pinned memory,
+  launch no aten op (``Tensor.tolist()``; ``Tensor.numpy()`` views, which report their accesses as they happen,
+  :mod:`.pinned_numpy`, and read when the array is gone) on pinned memory,
   ``record_stream`` under ``no_dispatch()``, ``UntypedStorage.resize_``, and ``torch.cuda.use_mem_pool`` (the
   allocations it routes to a private pool carry the pool);
 * CUDA graphs: ops during capture are kept as the graph's accesses, and each ``replay()`` is one op on the
@@ -529,14 +529,13 @@ UNREPORTED_NOTE = ("PyTorch's {} CUDA allocator reports no allocations or frees:
 
 
 class HostViews:
-    """NumPy views of pinned memory: those still open (``t.numpy()`` views, read when gone), and the pinned blocks
-    an asynchronous device-to-host copy wrote (their views are :mod:`.pinned_numpy` views)."""
+    """NumPy views of pinned memory still open (``t.numpy()`` views, :mod:`.pinned_numpy` views read at the latest
+    when gone)."""
 
-    __slots__ = ("opened", "async_written")
+    __slots__ = ("opened",)
 
     def __init__(self):
         self.opened: dict = {}  # id -> (weak reference to a view, its host read to come)
-        self.async_written: set[int] = set()  # base pointers
 
 
 class _RoutedToPool(contextlib.ContextDecorator):
@@ -829,11 +828,11 @@ class TorchTracer:
         """``Tensor.tolist()`` and ``Tensor.numpy()`` (also reached by ``np.asarray(t)``) launch no aten op.
 
         ``tolist()`` reads a pinned tensor's memory when it is called. ``numpy()`` only makes a view, read later
-        through the array (:meth:`_open_view`): the view counts as one host read at the latest moment the program
-        can read through it, when the array (and every view of it) is gone, or when tracing stops; over memory an
-        asynchronous device-to-host copy writes, its reads are also seen when they happen. So
-        ``np.asarray(t).sum()`` before a synchronization races, and a view made while a copy runs and read after
-        ``event.synchronize()`` (vLLM's asynchronous outputs) does not."""
+        through the array (:meth:`_open_view`): its reads and writes are seen when they happen, and the view also
+        counts as one host read at the latest moment the program can read through it, when the array (and every
+        view of it) is gone, or when tracing stops. So ``np.asarray(t).sum()`` before a synchronization races, and
+        a view made while a copy runs and read after ``event.synchronize()`` (vLLM's asynchronous outputs) does
+        not."""
         tracer = self
         for attr in ("tolist", "numpy"):
             orig = getattr(torch.Tensor, attr, None)
@@ -928,14 +927,15 @@ class TorchTracer:
         return sid
 
     def _open_view(self, t, array):
-        """``t.numpy()`` made ``array``: the array to hand out. Over memory an asynchronous device-to-host copy
-        wrote, a :mod:`.pinned_numpy` view, whose reads are seen when they happen; every view is also read, at
-        the latest, when it is gone (views made by ``np.asarray(t)`` are plain arrays over it)."""
+        """``t.numpy()`` made ``array``: the array to hand out. Over pinned memory, a :mod:`.pinned_numpy` view,
+        whose accesses are seen when they happen (made before the copies that use the memory, as vLLM's input
+        batches make theirs, it sees them all the same); such a view is also read, at the latest, when it is gone
+        (for what the view cannot see: its memory handed to native code; views made by ``np.asarray(t)`` are plain
+        arrays over it)."""
         r = self._range_in(t, E.PINNED)
         if r is None:
             return array
-        if t.untyped_storage().data_ptr() in self.views.async_written:
-            array = array.view(pinned_class())
+        array = array.view(pinned_class())
         read = (E.OP, E.HOST, "Tensor.numpy", (r,), (), self.stacks.capture(self.buffer.events, 2), self.ctx, 0)
         try:
             ref = weakref.ref(array, self._close_view)
@@ -1335,7 +1335,6 @@ class TorchTracer:
         if size == 0:
             return None
         self.pinned[base] = size
-        self.views.async_written.discard(base)
         if self.staged.kept:
             self.staged.forget(((E.PINNED, base, size),))
         return (E.ALLOC, E.PINNED, base, size, E.HOST, stack, self.ctx, describe(t))
@@ -1480,11 +1479,8 @@ class TorchTracer:
             if _ALLOCATOR.unreported is not False and self._allocations_unreported():
                 self._declare_outputs(evs, mark, out, dev, a, stack, ctx)
         self.saw_cuda = True
-        if cpu_written:
-            if self.staged.kept:
-                self.staged.forget(writes)
-            if not flags and cpu_r is not None:  # an asynchronous copy into pinned memory
-                self.views.async_written.add(cpu.untyped_storage().data_ptr())
+        if cpu_written and self.staged.kept:
+            self.staged.forget(writes)
         op = (_OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
         inner = len(evs) - mark
         if not inner:
@@ -1747,8 +1743,6 @@ class TorchTracer:
                 ev = self._register_pinned(t, stack)
                 if ev is not None:
                     pre.append(ev)
-                    if dev >= 0:  # filled by an asynchronous device-to-host copy
-                        self.views.async_written.add(ev[2])
         evs = self.buffer.events
         if plan.skip:  # empty(..., pin_memory=True): a new block, no access
             evs.extend(pre)

@@ -1,14 +1,14 @@
 """Pinned host buffers accessed where no traced call shows it, each as a small buggy program and its fix.
 
-A host buffer in pinned memory is refilled step after step and copied to the GPU asynchronously. The refill goes
-through memory streamsan cannot watch call by call: a NumPy view made when the buffer was (vLLM's ``CpuGpuBuffer.np``),
-``ctypes.memmove`` (a C++ scheduler filling host memory), a plain NumPy array over CuPy's pinned memory. streamsan
-finds such a write by the bytes it changed, at the next copy out of the same place (``streamsan.tracers.staging``),
-and reports it as the host's "refill outside traced calls" at that copy. Each buggy program refills the
-buffer while the stream may still be copying the previous step's bytes (the stream is kept busy first, so the
-copy really is pending); its fix synchronizes first, or refills a different buffer. The last pair reads a
-device-to-host result through a NumPy view that outlives a later synchronization: views of memory an asynchronous
-copy writes report each read when it happens.
+A host buffer in pinned memory is refilled step after step and copied to the GPU asynchronously. Each buggy program
+refills the buffer while the stream may still be copying the previous step's bytes (the stream is kept busy first,
+so the copy really is pending); its fix synchronizes first, or refills a different buffer. Through a NumPy view made
+with ``Tensor.numpy()`` when the buffer was (vLLM's ``CpuGpuBuffer.np``) each write is seen when it happens. Through
+memory streamsan cannot watch call by call (``ctypes.memmove``: a C++ scheduler filling host memory; a plain NumPy
+array over CuPy's pinned memory) a write is found by the bytes it changed, at the next copy out of the same place
+(``streamsan.tracers.staging``), and reported as the host's "refill outside traced calls" at that copy. The last
+pair reads a device-to-host result through a NumPy view that outlives a later synchronization: the view reports
+each read when it happens.
 
 EXPECTED maps each scenario to its (kind, previous stream role, previous op, current stream role, current op)
 tuples; fixed programs expect ``[]``. Stream roles: "default" (the current stream), "host", and the side streams
@@ -190,9 +190,11 @@ SCENARIOS = [
 ]
 
 EXPECTED = {
-    # one finding (count 2: steps 1 and 2 each found at their copy)
+    # one finding per line that writes through the view (``np_view[0] = 0`` and the cumulative sums; count 2 each:
+    # steps 1 and 2)
     "vllm_query_start_loc_refilled_before_copy": [
-        ("host-device", "default", "aten::copy_", "host", WRITE_SEEN),
+        ("host-device", "default", "aten::copy_", "host", "numpy.ndarray.__setitem__"),
+        ("host-device", "default", "aten::copy_", "host", "numpy.ndarray.__setitem__"),
     ],
     "vllm_query_start_loc_double_buffered": [],
     "vllm_query_start_loc_snapshot": [],
@@ -214,10 +216,17 @@ EXPECTED = {
 test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED)
 
 
-def test_the_found_write_names_the_changed_elements(san):
-    """The finding's memory is the elements the refill changed that the previous copy read: at the copy of step 1,
-    entries 1..4 of the 5 that step 0 copied (entry 0 stays 0); found again at step 2."""
+def test_the_writes_through_the_view_name_their_elements(san):
+    """Each finding's memory is what its write shares with the previous copy's read: in step 1, entry 0 (written
+    with the value it had: still a race) and entries 1..4 of the 5 that step 0 copied; found again in step 2."""
     session, got = san(vllm_query_start_loc_refilled_before_copy)
+    assert sorted((f.count, f.lo - f.block.start, f.hi - f.lo) for f in session.findings) == [(2, 0, 4), (2, 4, 16)]
+
+
+def test_a_refill_no_traced_call_shows_names_the_changed_elements(san):
+    """A write found by the bytes it changed names those that the previous copy read: ``ctypes.memmove`` refills
+    all 16 temperatures each step with a new value; found at the copies of steps 1 and 2."""
+    session, got = san(tokenspeed_overlap_fill_host_races_h2d)
     (f,) = session.findings
     assert f.count == 2
-    assert (f.lo - f.block.start, f.hi - f.lo) == (4, 4 * 4)
+    assert (f.lo - f.block.start, f.hi - f.lo) == (0, 16 * 4)
