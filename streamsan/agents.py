@@ -24,6 +24,7 @@ class StreamRegistry:
         self.by_handle: dict[int, int] = {}
         self.flags_of: dict[tuple[int, int], int] = {}
         self._next = 1  # agent ids are never reused (a forgotten handle's agent keeps its history)
+        self._created_names: dict[str, list[int]] = {}  # name of a creation site -> handles given it, in order
         # (re-entrant: a garbage collection inside _declare can run a callback that declares another stream)
         self._lock = threading.RLock()
 
@@ -75,6 +76,17 @@ class StreamRegistry:
         """Give a stream a role name for reports (re-declares it with the same flags)."""
         a = self.agent(device, handle)
         self.buffer.events.append((E.STREAM, a, device, handle, self.flags_of.get((device, handle), 0), name))
+
+    def name_created(self, device: int, handle: int, name: str) -> None:
+        """Name a stream just created after the expression its creating line assigns it to
+        (:mod:`.tracers.naming`). Streams of other handles that got the same name before are told apart as
+        ``name#2``, ``name#3``... (a list of streams made on one line)."""
+        with self._lock:
+            holders = self._created_names.setdefault(name, [])
+            if handle not in holders:
+                holders.append(handle)
+            k = holders.index(handle)
+        self.name(device, handle, name if k == 0 else f"{name}#{k + 1}")
 
     def for_handle(self, handle: int, current_device) -> int:
         """The agent of a raw handle seen without its device (GPU trace callbacks); ``current_device()`` is

@@ -45,6 +45,7 @@ from ..agents import StreamRegistry
 from ..findings import ENGINE_FRAME
 from ..stacks import USER, StackTable, is_own_file
 from .graphs import GraphAccesses
+from .naming import creation_name
 from .pinned_numpy import attach, detach, pinned_class, strided_range
 from .staging import WRITE_SEEN, PinnedStaging
 from .triton import kernel_writes
@@ -811,6 +812,7 @@ class TorchTracer:
         self._patch_mem_pools()
         self._patch_outside_dispatch()
         self._patch_backward()
+        self._patch_stream_creation()
         self._patch_blind_spots()
 
     def _queried(self, obj, what: str) -> None:
@@ -989,6 +991,34 @@ class TorchTracer:
 
             self._patched.append((autograd, attr, orig))
             setattr(autograd, attr, make(orig))
+
+    def _patch_stream_creation(self) -> None:
+        """``torch.cuda.Stream()``: a new stream is named after what its creating line assigns it to
+        (:mod:`.naming`). Wrapping an existing stream (``stream_id=``, as ``current_stream()`` does) is no
+        creation."""
+        cls = getattr(getattr(torch, "cuda", None), "Stream", None)
+        orig = vars(cls).get("__new__") if cls is not None else None
+        if orig is None:
+            return
+        make = orig.__func__ if isinstance(orig, staticmethod) else orig
+        tracer = self
+
+        def __new__(klass, *a, **k):
+            stream = make(klass, *a, **k)
+            if tracer.tracing and "stream_id" not in k:
+                try:
+                    name = creation_name(sys._getframe(1))
+                    if name:
+                        device, handle = _stream_key(stream)
+                        tracer.streams.name_created(device, handle, name)
+                except Exception as exc:
+                    tracer._stop_on_bug(exc, "torch.cuda.Stream()")
+            return stream
+        __new__.__wrapped__ = make
+        __new__.__doc__ = make.__doc__
+
+        self._patched.append((cls, "__new__", orig))
+        cls.__new__ = staticmethod(__new__)
 
     def _patch_mem_pools(self) -> None:
         """``torch.cuda.use_mem_pool(pool)``: the calling thread's allocations inside go to a private pool, and

@@ -1,0 +1,72 @@
+"""Streams named after what their creating line assigns them to (``streamsan.tracers.naming``), and the
+registry's naming of streams made on one line."""
+
+import sys
+
+import pytest
+
+from streamsan import events as E
+from streamsan.agents import StreamRegistry
+from streamsan.sink import EventBuffer
+from streamsan.tracers.naming import assigned_to, creation_name
+
+
+@pytest.mark.parametrize("line, name", [
+    ("        self.copy_stream = torch.cuda.Stream()\n", "self.copy_stream"),
+    ("s = torch.cuda.Stream(priority=-1)", "s"),
+    ("    self.streams[dev] = torch.cuda.Stream(device=dev)", "self.streams[dev]"),
+    ("    stream: torch.cuda.Stream = torch.cuda.Stream()", "stream"),
+    ("streams = [torch.cuda.Stream() for _ in range(4)]", "streams"),
+    ("with torch.cuda.stream(torch.cuda.Stream()):", None),
+    ("return torch.cuda.Stream()", None),
+    ("a, b = torch.cuda.Stream(), torch.cuda.Stream()", None),
+    ("x += 1", None),
+    ("if s == torch.cuda.Stream():", None),
+    ("", None),
+])
+def test_the_assignment_target_of_a_line(line, name):
+    assert assigned_to(line) == name
+
+
+def test_the_name_comes_from_the_first_frame_outside_streamsan():
+    def make():  # stands for a wrapper inside streamsan: the frame it is given is the creating line's
+        return creation_name(sys._getframe(1))
+
+    side_stream = make()
+    assert side_stream == "side_stream"
+
+
+def test_streams_made_on_one_line_are_told_apart():
+    buf = EventBuffer()
+    reg = StreamRegistry(buf)
+    for handle in (0x10, 0x20, 0x10):  # the third: a stream of the pool handed out again
+        reg.name_created(0, handle, "self.streams")
+    reg.name_created(0, 0x30, "other")
+    names = [(ev[3], ev[5]) for ev in buf.events if ev[0] == E.STREAM and ev[5]]
+    assert names == [(0x10, "self.streams"), (0x20, "self.streams#2"), (0x10, "self.streams"), (0x30, "other")]
+
+
+def test_a_name_given_later_wins_in_the_report():
+    from streamsan.analyzer import Analyzer
+
+    buf = EventBuffer()
+    reg = StreamRegistry(buf)
+    reg.name_created(0, 0x10, "self.copy_stream")
+    reg.name(0, 0x10, "prefetch_stream")
+    a = Analyzer()
+    a.feed(buf.events)
+    assert [i.name for i in a.agents.values()] == ["host", "prefetch_stream"]
+
+
+def test_the_torch_tracer_patches_stream_creation_only_while_it_runs():
+    torch = pytest.importorskip("torch")
+    from streamsan.tracers.torch import TorchTracer
+
+    before = torch.cuda.Stream.__dict__["__new__"]
+    tracer = TorchTracer(EventBuffer())
+    tracer.start()
+    try:
+        assert torch.cuda.Stream.__new__.__wrapped__ is before.__func__
+    finally:
+        tracer.stop()
+    assert torch.cuda.Stream.__dict__["__new__"] is before
