@@ -499,7 +499,7 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
                             PyObject *kwargs, long dev, PyObject *reads, PyObject *writes, int *ran,
                             PyObject **out_p) {
     PyObject *buffer = NULL, *evs = NULL, *ctx = NULL, *agent = NULL, *stack = NULL, *mine = NULL, *ident = NULL,
-             *out = NULL, *op = NULL, *devobj = NULL;
+             *out = NULL, *op = NULL, *devobj = NULL, *inner = NULL;
     PyObject *result = NULL;
     PyObject *single = NULL; /* data pointer of a single contiguous output */
     PyObject *tracer = d->tracer;
@@ -545,11 +545,13 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
     if (stack == NULL) goto error;
     ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
     if (ident == NULL) goto error;
-    mine = PyTuple_Pack(5, devobj, agent, stack, ctx, ident);
+    inner = PyList_New(0); /* the op's own events (as TorchTracer's _OpEvents) */
+    if (inner == NULL) goto error;
+    mine = PyTuple_Pack(6, devobj, agent, stack, ctx, ident, inner);
     if (mine == NULL) goto error;
     if (PyObject_SetAttr(tracer, s_op_agent, mine) < 0) goto error;
 
-    Py_ssize_t mark = PyList_GET_SIZE(evs);
+    Py_ssize_t mark = 0;
     out = PyObject_Call(call, args, kwargs);
     {
         /* finally: the op is no longer this thread's current op */
@@ -571,13 +573,11 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
     *ran = 1;
     Py_INCREF(out);
     *out_p = out;
-    {
-        PyObject *now = PyObject_GetAttr(buffer, s_events);
-        if (now == NULL) goto error;
-        if (now != evs) mark = 0; /* another thread flushed while the op ran: all since then is inside it */
-        Py_DECREF(evs);
-        evs = now;
-    }
+    /* the events this thread fired inside the op, whatever other threads did meanwhile: placed there, then handed
+     * to the buffer at once */
+    Py_DECREF(evs);
+    evs = inner;
+    Py_INCREF(evs);
     if (fresh_outputs) {
         int handled = 0;
         if ((PyObject *)Py_TYPE(out) == g_tensor_type) {
@@ -730,7 +730,16 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
         }
     }
     {
-        if (PyList_GET_SIZE(evs) >= d->batch) {
+        PyObject *now = PyObject_GetAttr(buffer, s_events);
+        if (now == NULL) goto error;
+        int ok = PyList_Check(now) && PyList_SetSlice(now, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, evs) == 0;
+        Py_ssize_t n = ok ? PyList_GET_SIZE(now) : 0;
+        Py_DECREF(now);
+        if (!ok) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "buffer.events is not a list");
+            goto error;
+        }
+        if (n >= d->batch) {
             PyObject *r = call_method0(buffer, s_flush);
             if (r == NULL) goto error;
             Py_DECREF(r);
@@ -741,6 +750,7 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
 error:
     Py_XDECREF(buffer);
     Py_XDECREF(evs);
+    Py_XDECREF(inner);
     Py_XDECREF(ctx);
     Py_XDECREF(agent);
     Py_XDECREF(stack);
@@ -1063,11 +1073,28 @@ static PyObject *active_tracer(Callback *c) {
 /* Whether op_agent `cur` is an op of this thread (TorchTracer: `cur is not None and cur[4] == _get_ident()`):
  * 1, 0, or -1 on error. */
 static int op_of_this_thread(PyObject *cur) {
-    if (!PyTuple_Check(cur) || PyTuple_GET_SIZE(cur) != 5) return 0;
+    if (!PyTuple_Check(cur) || PyTuple_GET_SIZE(cur) < 5) return 0;
     PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
     int mine = ident != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(cur, 4), ident, Py_EQ) : -1;
     Py_XDECREF(ident);
     return mine;
+}
+
+/* The list an event fired inside op_agent `cur` of this thread goes to: the op's own (item 5, TorchTracer's
+ * _OpEvents), or the buffer's where the tuple has none. New reference, or NULL on error. */
+static PyObject *op_events(PyObject *cur, PyObject *buffer) {
+    if (PyTuple_GET_SIZE(cur) > 5 && PyList_Check(PyTuple_GET_ITEM(cur, 5))) {
+        PyObject *l = PyTuple_GET_ITEM(cur, 5);
+        Py_INCREF(l);
+        return l;
+    }
+    PyObject *evs = PyObject_GetAttr(buffer, s_events);
+    if (evs != NULL && !PyList_Check(evs)) {
+        Py_DECREF(evs);
+        PyErr_SetString(PyExc_TypeError, "buffer.events is not a list");
+        return NULL;
+    }
+    return evs;
 }
 
 /* 1 done, 0 the Python callback's case, -1 error (nothing changed then). */
@@ -1082,9 +1109,9 @@ static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
         int scope = attr_true(t, s_in_scope);
         rc = scope < 0 ? -1 : (scope ? 0 : 1);
     } else if (PyDict_GET_SIZE(c->pools) == 0) { /* an op's own allocation */
-        PyObject *evs = PyObject_GetAttr(c->buffer, s_events);
+        PyObject *evs = op_events(cur, c->buffer);
         PyObject *ev = NULL;
-        if (evs == NULL || !PyList_Check(evs)) {
+        if (evs == NULL) {
             rc = -1;
         } else if ((ev = PyTuple_Pack(8, g_alloc, PyTuple_GET_ITEM(cur, 0), ptr, g_zero, PyTuple_GET_ITEM(cur, 1),
                                       PyTuple_GET_ITEM(cur, 2), PyTuple_GET_ITEM(cur, 3), g_empty_str)) == NULL) {
@@ -1124,7 +1151,11 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     Py_ssize_t batch = c->batch;
     PyObject *dev = PyDict_GetItemWithError(live, ptr);
     if (dev == NULL) return PyErr_Occurred() ? -1 : 1; /* not a block of the tracer's */
-    PyObject *evs = PyObject_GetAttr(buffer, s_events);
+    PyObject *cur = PyObject_GetAttr(t, s_op_agent);
+    if (cur == NULL) return -1;
+    int in_op = op_of_this_thread(cur);
+    PyObject *evs = in_op > 0 ? op_events(cur, buffer) : in_op == 0 ? PyObject_GetAttr(buffer, s_events) : NULL;
+    Py_DECREF(cur);
     if (evs == NULL || !PyList_Check(evs)) {
         Py_XDECREF(evs);
         return -1;
@@ -1134,7 +1165,7 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     PyObject *ev = PyTuple_Pack(4, g_free_kind, dev, ptr, g_zero);
     int rc = ev != NULL && PyDict_DelItem(live, ptr) == 0 && PyList_Append(evs, ev) == 0 ? 1 : -1;
     Py_XDECREF(ev);
-    if (rc == 1 && flush_if_full(t, buffer, batch, evs) < 0) rc = -1;
+    if (rc == 1 && !in_op && flush_if_full(t, buffer, batch, evs) < 0) rc = -1;
     if (rc == 1 && PySet_GET_SIZE(grads) && PySet_Discard(grads, ptr) < 0) rc = -1;
     Py_DECREF(evs);
     Py_DECREF(buffer);
@@ -1158,12 +1189,14 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
     if ((cur = PyObject_GetAttr(t, s_op_agent)) == NULL) goto done;
     int mine = op_of_this_thread(cur);
     if (mine < 0) goto done;
-    if (mine) { /* the op's own stack */
+    if (mine) { /* the op's own stack, and its own list */
         stack = PyTuple_GET_ITEM(cur, 2);
         Py_INCREF(stack);
+        if ((evs = op_events(cur, buffer)) == NULL) goto done;
+    } else {
+        if ((evs = PyObject_GetAttr(buffer, s_events)) == NULL) goto done;
+        if (!PyList_Check(evs)) goto done;
     }
-    if ((evs = PyObject_GetAttr(buffer, s_events)) == NULL) goto done;
-    if (!PyList_Check(evs)) goto done;
     if (stack == NULL) {
         /* t's capture, held here: Python code run meanwhile (by the calls above and below) may let another thread
          * make another tracer active and replace c->capture */
@@ -1187,7 +1220,7 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
         if (!PyList_Check(evs)) goto done;
     }
     if ((ev = PyTuple_Pack(4, c->event, e, agent, stack)) == NULL || PyList_Append(evs, ev) < 0) goto done;
-    rc = flush_if_full(t, buffer, batch, evs) < 0 ? -1 : 1;
+    rc = !mine && flush_if_full(t, buffer, batch, evs) < 0 ? -1 : 1;
 done:
     Py_XDECREF(agent);
     Py_XDECREF(cur);

@@ -196,13 +196,15 @@ def test_allocation_callbacks_match_the_python_ones(tracer_mod):
     def drive(alloc, free):
         tr = state()
         gt.active = tr
+        own, others = [], []  # the events fired inside an op of this thread, of another thread
         try:
-            tr.op_agent = (0, 3, 7, 0, threading.get_ident())
+            tr.op_agent = (0, 3, 7, 0, threading.get_ident(), own)
             alloc(1000)
             tr.pool_of_thread[threading.get_ident()] = 5
             alloc(2000)  # in a pool: the Python path's
             tr.pool_of_thread.clear()
-            tr.op_agent = (0, 3, 7, 0, threading.get_ident() + 1)  # another thread's op
+            free(2000)  # a free inside the op: the op's too
+            tr.op_agent = (0, 3, 7, 0, threading.get_ident() + 1, others)  # another thread's op
             alloc(3000)
             tr.op_agent = None
             alloc(4000)
@@ -213,17 +215,21 @@ def test_allocation_callbacks_match_the_python_ones(tracer_mod):
             free(1000)
             tr.in_scope = 0  # hooks scope, outside a hooked region: nothing
             alloc(6000)
-            tr.op_agent = (0, 3, 7, 0, threading.get_ident())
+            tr.op_agent = (0, 3, 7, 0, threading.get_ident(), own)
             alloc(7000)  # inside an op (of a hooked region)
-            return list(tr.buffer.events), dict(tr.live_device), set(tr._engine_grads), tr.buffer.total
+            return (list(tr.buffer.events), list(own), list(others), dict(tr.live_device), set(tr._engine_grads),
+                    tr.buffer.total)
         finally:
             gt.active = None
 
     expected = drive(py_alloc, py_free)
     got = drive(c.Callback(gt, py_alloc, False), c.Callback(gt, py_free, True))
     assert got == expected
-    assert any(ev[0] == E.FREE for ev in expected[0]) and expected[3] > 0  # (something was freed and flushed)
-    assert 6000 not in expected[1] and 7000 in expected[1]
+    assert expected[5] > 0  # (frees outside an op filled the buffer: flushed)
+    assert [(ev[0], ev[2]) for ev in expected[1]] == [(E.ALLOC, 1000), (E.ALLOC, 2000), (E.FREE, 2000),
+                                                      (E.ALLOC, 7000)]
+    assert expected[2] == []  # another thread's op: this thread's events are not its
+    assert 6000 not in expected[3] and 7000 in expected[3]
 
 
 @needs_c_tracer
@@ -249,18 +255,19 @@ def test_event_callbacks_match_the_python_ones(tracer_mod):
         got = []
         buf.consumers.append(got.extend)
         gt.active = tr
+        own = []
         try:
-            tr.op_agent = (0, 3, 7, 0, threading.get_ident())
+            tr.op_agent = (0, 3, 7, 0, threading.get_ident(), own)
             record(11, 1001)
             tr.op_agent = None
             for _ in range(2):  # (the second time, the stack is known)
                 record(12, 1001)
                 wait(12, 1002)
-            tr.op_agent = (0, 3, 7, 0, threading.get_ident() + 1)
+            tr.op_agent = (0, 3, 7, 0, threading.get_ident() + 1, [])
             wait(11, 1002)
             tr.op_agent = None
             buf.flush()
-            return got
+            return got, own
         finally:
             gt.active = None
 
@@ -277,6 +284,7 @@ def test_event_callbacks_match_the_python_ones(tracer_mod):
         (c.Callback(gt, counted(py_record), 2, E.EVENT_RECORD), c.Callback(gt, counted(py_wait), 2, E.EVENT_WAIT)))]
     assert got == expected
     assert left_to_python == []  # (the C code did it all)
-    kinds = [ev[0] for ev in expected]
-    assert kinds.count(E.EVENT_RECORD) == 3 and kinds.count(E.EVENT_WAIT) == 3 and E.DEF_STACK in kinds
-    assert expected[kinds.index(E.EVENT_RECORD)][3] == 7  # the op's own stack inside an op
+    events, own = expected
+    kinds = [ev[0] for ev in events]
+    assert kinds.count(E.EVENT_RECORD) == 2 and kinds.count(E.EVENT_WAIT) == 3 and E.DEF_STACK in kinds
+    assert own == [(E.EVENT_RECORD, 11, 1, 7)]  # inside an op: the op's own list, with its stack

@@ -36,10 +36,12 @@ def tracer(monkeypatch):
 
 
 def alloc_in_op(t, ptr):
-    t.op_agent = (0, 1, 0, 0, threading.get_ident())
+    own = []
+    t.op_agent = (0, 1, 0, 0, threading.get_ident(), own)
     t._on_alloc(ptr)
     t.op_agent = None
-    return t.buffer.events[-1]
+    (ev,) = own
+    return ev
 
 
 def test_allocations_inside_use_mem_pool_carry_the_pool(tracer):

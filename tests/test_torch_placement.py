@@ -137,10 +137,52 @@ def test_allocations_inside_an_op_belong_to_its_stream_only_in_its_own_thread():
     import threading
 
     tracer = TorchTracer(EventBuffer())
-    tracer.op_agent = (0, SRC, 0, 0, threading.get_ident())
+    own, others = [], []
+    tracer.op_agent = (0, SRC, 0, 0, threading.get_ident(), own)
     tracer._on_alloc(0x7000)
-    assert tracer.buffer.events[-1][:5] == (E.ALLOC, 0, 0x7000, 0, SRC)
-    tracer.op_agent = (0, SRC, 0, 0, threading.get_ident() + 1)  # another thread's op
+    assert [ev[:5] for ev in own] == [(E.ALLOC, 0, 0x7000, 0, SRC)]  # the op's own list, placed with it
+    tracer.op_agent = (0, SRC, 0, 0, threading.get_ident() + 1, others)  # another thread's op
     tracer.in_scope = 0  # (with the tracer on, the allocation would go to this thread's current stream)
     tracer._on_alloc(0x8000)
-    assert tracer.buffer.events[-1][2] == 0x7000
+    assert others == [] and len(own) == 1
+
+
+@pytest.mark.parametrize("flush", [False, True], ids=["", "flushed"])
+def test_an_ops_events_stay_together_whatever_another_thread_does_meanwhile(monkeypatch, flush):
+    """An op's allocation and the op itself reach the buffer together and in order, even when another thread
+    frees, allocates the same memory again and runs an op (and flushes the buffer) while the first op runs
+    (PyTorch releases the GIL inside ops): before, everything in the buffer since the op began was taken as its
+    own, and the other thread's allocation was moved before its free."""
+    import threading
+
+    from streamsan.tracers import torch as tt
+
+    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
+    got = []
+    tracer = TorchTracer(EventBuffer([got.extend]))
+    other_done = threading.Event()
+
+    def other_thread_op():
+        tracer._emit((E.FREE, 0, 0x1000, 0))
+        tracer._emit((E.ALLOC, 0, 0x1000, 64, 2, 0, 0, ""))
+        tracer._emit((E.OP, 2, "aten::other", (), ((0, 0x1000, 64),), 0, 0, 0))
+        if flush:
+            tracer.buffer.flush()
+        other_done.set()
+
+    def op(*args):
+        tracer._on_alloc(0x2000)  # this op's own allocation
+        th = threading.Thread(target=other_thread_op)
+        th.start()
+        th.join()
+        return None
+
+    tracer.in_scope = 1
+    out, a, evs, mark = tracer._run_inside(op, (), {}, 0, 0)
+    tracer._place(evs, mark, (E.OP, a, "aten::mine", (), ((0, 0x2000, 64),), 0, 0, 0), None)
+    tracer._commit(evs)
+    tracer.buffer.flush()
+    assert other_done.is_set()
+    kinds = [(ev[0], ev[2]) for ev in got if ev[0] in (E.ALLOC, E.FREE, E.OP)]
+    assert kinds == [(E.FREE, 0x1000), (E.ALLOC, 0x1000), (E.OP, "aten::other"),
+                     (E.ALLOC, 0x2000), (E.OP, "aten::mine")]

@@ -365,7 +365,7 @@ class _GpuTrace:
                     cur = t.op_agent
                     if cur is not None and cur[4] == _get_ident() and not t.pool_of_thread:
                         t.live_device[ptr] = cur[0]
-                        t.buffer.events.append((_ALLOC, cur[0], ptr, 0, cur[1], cur[2], cur[3], ""))
+                        cur[5].append((_ALLOC, cur[0], ptr, 0, cur[1], cur[2], cur[3], ""))
                     else:
                         t._on_alloc(ptr)
                 except Exception:
@@ -527,6 +527,14 @@ _ALLOCATOR = AllocatorBackend()
 UNREPORTED_NOTE = ("PyTorch's {} CUDA allocator reports no allocations or frees: streamsan takes each op's new "
                    "outputs as memory allocated on the op's stream, freed when their storage dies, and runs its "
                    "Python tracer")
+
+
+class _OpEvents(list):
+    """The events a thread's callbacks fire inside one of its ops (its allocations, a copy's event record, a
+    blocking copy's synchronization), kept apart from the buffer until the op is placed among them: another
+    thread's events, or a flush, in the meantime cannot get between them or reorder them."""
+
+    __slots__ = ()
 
 
 class HostViews:
@@ -727,9 +735,13 @@ class TorchTracer:
 
     # ------------------------------------------------------------------ GPU trace callbacks
     def _emit(self, ev) -> None:
-        """Append an event fired outside the dispatch mode's view (a callback, a patched method). Ops flush the
-        buffer when they end; this flushes only when callbacks alone have filled it several times over, so that a
-        flush never splits an op from the events fired inside it."""
+        """Append an event fired outside the dispatch mode's view (a callback, a patched method): inside an op of
+        this thread, to the op's own list (:class:`_OpEvents`); else to the buffer. Ops flush the buffer when they
+        end; this flushes only when callbacks alone have filled it several times over."""
+        cur = self.op_agent
+        if cur is not None and cur[4] == _get_ident():
+            cur[5].append(ev)
+            return
         evs = self.buffer.events
         evs.append(ev)
         if len(evs) >= 4 * self.buffer.batch and self.op_agent is None:
@@ -775,7 +787,7 @@ class TorchTracer:
             return
         dev = cur[0]
         self.live_device[ptr] = dev
-        self.buffer.events.append((E.ALLOC, dev, ptr, 0, cur[1], cur[2], cur[3], "") + tail)
+        cur[5].append((E.ALLOC, dev, ptr, 0, cur[1], cur[2], cur[3], "") + tail)
 
     # ------------------------------------------------------------------ patches
     def _patch(self) -> None:
@@ -1091,6 +1103,7 @@ class TorchTracer:
         out, a, evs, mark = self._run_inside(orig, (st, size), {}, dev, stack)
         try:
             self._place_resize(evs, mark, st, a, dev, old_ptr, old_n, stack)
+            self._commit(evs)
         except Exception as exc:
             self._stop_on_bug(exc, "UntypedStorage.resize_")
         return out
@@ -1469,7 +1482,7 @@ class TorchTracer:
         if dev >= 0:
             a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
             stack = self.stacks.outside(evs)
-            mine = self.op_agent = (dev, a, stack, ctx, _get_ident())
+            mine = self.op_agent = (dev, a, stack, ctx, _get_ident(), _OpEvents())
             if cpu_r is not None and not cpu_written and not flags:  # an asynchronous copy out of pinned memory
                 self._staged_write(evs, cpu, cpu_r, stack, ctx)
         mark = len(evs)
@@ -1478,7 +1491,10 @@ class TorchTracer:
         finally:
             if mine is not None and self.op_agent is mine:
                 self.op_agent = None
-        if self.buffer.events is not evs:  # another thread flushed while the op ran: all since then is inside it
+        if mine is not None:  # the events this thread fired inside the op, whatever other threads did meanwhile
+            evs = mine[5]
+            mark = 0
+        elif self.buffer.events is not evs:  # another thread flushed while the op ran: all since then is inside it
             evs = self.buffer.events
             mark = 0
         if plan.fresh_outputs:
@@ -1525,7 +1541,11 @@ class TorchTracer:
             self._place(evs, mark, op, out if plan.fresh_outputs else None, collective=plan.collective)
         if self._engine_threads and _get_ident() in self._engine_threads:
             self._engine_op(evs, plan, args, kwargs, out, a, stack)
-        if len(evs) >= self.buffer.batch:  # (ops of other threads still running see the new list)
+        if mine is not None:
+            buf = self.buffer.events
+            buf.extend(evs)
+            evs = buf
+        if len(evs) >= self.buffer.batch:
             self.buffer.flush()
         return out
 
@@ -1685,22 +1705,31 @@ class TorchTracer:
     def _run_inside(self, func, args, kwargs, dev: int, stack: int):
         """Run an op; on a CUDA device (``dev`` >= 0) its current stream is the agent of the events fired inside
         the op (allocations, a copy's events). Returns (output, agent, the event list, where the events fired
-        inside start). (``_dispatch`` spells this out: it is the hot path.)"""
+        inside start): on a CUDA device the op's own list (:class:`_OpEvents`: the events its thread fired inside
+        it, whatever other threads did meanwhile), to place the op in and :meth:`_commit`. (``_dispatch`` spells
+        this out: it is the hot path.)"""
         evs = self.buffer.events
         a = E.HOST
         mine = None
         if dev >= 0:
             a = self.agent(dev, _cuda_raw_stream(dev))
-            mine = self.op_agent = (dev, a, stack, self.ctx, _get_ident())
+            mine = self.op_agent = (dev, a, stack, self.ctx, _get_ident(), _OpEvents())
         mark = len(evs)
         try:
             out = func(*args, **kwargs)
         finally:
             if mine is not None and self.op_agent is mine:
                 self.op_agent = None
+        if mine is not None:
+            return out, a, mine[5], 0
         if self.buffer.events is not evs:  # another thread flushed while the op ran: all since then is inside it
             return out, a, self.buffer.events, 0
         return out, a, evs, mark
+
+    def _commit(self, evs) -> None:
+        """Hand an op's own event list (:class:`_OpEvents`, once its events are placed) to the buffer, at once."""
+        if evs.__class__ is _OpEvents and evs:
+            self.buffer.events.extend(evs)
 
     def _dispatch_wrapped(self, func, args, kwargs):
         """An op on wrapper subclasses (DTensor, ...): the subclass runs it on its inner tensors where the dispatch
@@ -1723,6 +1752,7 @@ class TorchTracer:
         plain = list(_plain_tensors(out))
         if plan.skip:
             self._fill_alloc_sizes(evs, mark, plain)
+            self._commit(evs)
             return out
         if plan.fresh_outputs:
             self._outputs(plain, writes)
@@ -1738,6 +1768,7 @@ class TorchTracer:
         self.saw_cuda = True
         self._place(evs, mark, (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0),
                     plain if plan.fresh_outputs else None, collective=plan.collective)
+        self._commit(evs)
         return out
 
     def _host_op(self, func, plan, args, kwargs, reads, writes):
@@ -1773,14 +1804,15 @@ class TorchTracer:
                 ev = self._register_pinned(t, stack)
                 if ev is not None:
                     pre.append(ev)
-        evs = self.buffer.events
         if plan.skip:  # empty(..., pin_memory=True): a new block, no access
             evs.extend(pre)
+            self._commit(evs)
             return out
         reads, writes = self._args_ranges(plan, args, kwargs)
         self._outputs(out, writes)
         op = (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0)
         self._place(evs, mark, op, out, pre)
+        self._commit(evs)
         return out
 
     def _args_ranges(self, plan, args, kwargs):
