@@ -37,7 +37,8 @@ static PyObject *g_op, *g_alloc, *g_zero;
 static long g_alloc_code;
 static long g_user_kind;
 
-static PyObject *s_tracing, *s_plans, *s_buffer, *s_events, *s_ctx, *s_agent_of, *s_op_agent, *s_saw_cuda,
+static PyObject *s_tracing, *s_plans, *s_buffer, *s_events, *s_ctx, *s_agent_of, *s_op_agent, *s_ops_of_threads,
+    *s_saw_cuda,
     *s_batch, *s_engine_threads, *s_stacks, *s_nbytes, *s_data_ptr, *s_is_contiguous, *s_get_device,
     *s_untyped_storage, *s_range_in, *s_outputs, *s_place, *s_fill_alloc_sizes, *s_engine_op, *s_flush, *s_agent,
     *s_stop_on_bug, *s_fast, *s_pin_memory, *s_kind, *s_ids, *s_classify, *s_define, *s_no_frames, *s_key_users,
@@ -499,7 +500,7 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
                             PyObject *kwargs, long dev, PyObject *reads, PyObject *writes, int *ran,
                             PyObject **out_p) {
     PyObject *buffer = NULL, *evs = NULL, *ctx = NULL, *agent = NULL, *stack = NULL, *mine = NULL, *ident = NULL,
-             *out = NULL, *op = NULL, *devobj = NULL, *inner = NULL;
+             *out = NULL, *op = NULL, *devobj = NULL, *inner = NULL, *ops = NULL;
     PyObject *result = NULL;
     PyObject *single = NULL; /* data pointer of a single contiguous output */
     PyObject *tracer = d->tracer;
@@ -550,6 +551,11 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
     mine = PyTuple_Pack(6, devobj, agent, stack, ctx, ident, inner);
     if (mine == NULL) goto error;
     if (PyObject_SetAttr(tracer, s_op_agent, mine) < 0) goto error;
+    ops = PyObject_GetAttr(buffer, s_ops_of_threads);
+    if (ops == NULL || !PyDict_Check(ops) || PyDict_SetItem(ops, ident, mine) < 0) {
+        if (ops != NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "ops_of_threads is not a dict");
+        goto error;
+    }
 
     Py_ssize_t mark = 0;
     out = PyObject_Call(call, args, kwargs);
@@ -557,6 +563,7 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
         /* finally: the op is no longer this thread's current op */
         PyObject *et, *ev, *etb;
         PyErr_Fetch(&et, &ev, &etb);
+        if (PyDict_DelItem(ops, ident) < 0) PyErr_Clear();
         PyObject *cur = PyObject_GetAttr(tracer, s_op_agent);
         if (cur == mine) PyObject_SetAttr(tracer, s_op_agent, Py_None);
         Py_XDECREF(cur);
@@ -751,6 +758,7 @@ error:
     Py_XDECREF(buffer);
     Py_XDECREF(evs);
     Py_XDECREF(inner);
+    Py_XDECREF(ops);
     Py_XDECREF(ctx);
     Py_XDECREF(agent);
     Py_XDECREF(stack);
@@ -1097,15 +1105,46 @@ static PyObject *op_events(PyObject *cur, PyObject *buffer) {
     return evs;
 }
 
+/* The op this thread is dispatching, as TorchTracer._op_of_this_thread: `op_agent` if it is this thread's, else
+ * this thread's entry of `ops_of_threads`. A new reference, or Py_None (new reference too) outside an op of this
+ * thread; NULL on error. */
+static PyObject *this_threads_op(PyObject *t) {
+    PyObject *cur = PyObject_GetAttr(t, s_op_agent);
+    if (cur == NULL) return NULL;
+    int mine = op_of_this_thread(cur);
+    if (mine != 0) {
+        if (mine < 0) Py_CLEAR(cur);
+        return cur;
+    }
+    Py_DECREF(cur);
+    PyObject *buffer = PyObject_GetAttr(t, s_buffer);
+    if (buffer == NULL) return NULL;
+    PyObject *ops = PyObject_GetAttr(buffer, s_ops_of_threads);
+    Py_DECREF(buffer);
+    if (ops == NULL) return NULL;
+    PyObject *r = Py_None;
+    if (PyDict_Check(ops) && PyDict_GET_SIZE(ops)) {
+        PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+        PyObject *got = ident != NULL ? PyDict_GetItemWithError(ops, ident) : NULL;
+        Py_XDECREF(ident);
+        if (got == NULL && (ident == NULL || PyErr_Occurred())) {
+            Py_DECREF(ops);
+            return NULL;
+        }
+        if (got != NULL && op_of_this_thread(got) > 0) r = got;
+    }
+    Py_INCREF(r);
+    Py_DECREF(ops);
+    return r;
+}
+
 /* 1 done, 0 the Python callback's case, -1 error (nothing changed then). */
 static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
-    PyObject *cur = PyObject_GetAttr(t, s_op_agent);
+    PyObject *cur = this_threads_op(t);
     if (cur == NULL) return -1;
     int rc = 0;
-    int in_op = op_of_this_thread(cur);
-    if (in_op < 0) {
-        rc = -1;
-    } else if (!in_op) { /* `_on_alloc` does nothing there outside hooked regions (hooks scope) */
+    int in_op = cur != Py_None;
+    if (!in_op) { /* `_on_alloc` does nothing there outside hooked regions (hooks scope) */
         int scope = attr_true(t, s_in_scope);
         rc = scope < 0 ? -1 : (scope ? 0 : 1);
     } else if (PyDict_GET_SIZE(c->pools) == 0) { /* an op's own allocation */
@@ -1151,10 +1190,10 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     Py_ssize_t batch = c->batch;
     PyObject *dev = PyDict_GetItemWithError(live, ptr);
     if (dev == NULL) return PyErr_Occurred() ? -1 : 1; /* not a block of the tracer's */
-    PyObject *cur = PyObject_GetAttr(t, s_op_agent);
+    PyObject *cur = this_threads_op(t);
     if (cur == NULL) return -1;
-    int in_op = op_of_this_thread(cur);
-    PyObject *evs = in_op > 0 ? op_events(cur, buffer) : in_op == 0 ? PyObject_GetAttr(buffer, s_events) : NULL;
+    int in_op = cur != Py_None;
+    PyObject *evs = in_op ? op_events(cur, buffer) : PyObject_GetAttr(buffer, s_events);
     Py_DECREF(cur);
     if (evs == NULL || !PyList_Check(evs)) {
         Py_XDECREF(evs);
@@ -1186,9 +1225,8 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
         agent = PyObject_VectorcallMethod(s_agent_for_handle, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
     if (agent == NULL) goto done;
-    if ((cur = PyObject_GetAttr(t, s_op_agent)) == NULL) goto done;
-    int mine = op_of_this_thread(cur);
-    if (mine < 0) goto done;
+    if ((cur = this_threads_op(t)) == NULL) goto done;
+    int mine = cur != Py_None;
     if (mine) { /* the op's own stack, and its own list */
         stack = PyTuple_GET_ITEM(cur, 2);
         Py_INCREF(stack);
@@ -1365,6 +1403,7 @@ PyMODINIT_FUNC PyInit__ctracer(void) {
     INTERN(s_ctx, "ctx");
     INTERN(s_agent_of, "agent_of");
     INTERN(s_op_agent, "op_agent");
+    INTERN(s_ops_of_threads, "ops_of_threads");
     INTERN(s_saw_cuda, "saw_cuda");
     INTERN(s_batch, "batch");
     INTERN(s_engine_threads, "_engine_threads");

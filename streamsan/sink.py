@@ -22,6 +22,7 @@ class EventBuffer:
         self.total = 0
         self._lock = threading.Lock()
         self._flushing = None  # the thread flushing now
+        self.ops_of_threads: dict = {}  # thread -> the op it is dispatching (a tracer's op_agent), events apart
         self._ctx_ids: dict[str, int] = {}
         self._ctx_texts: dict[int, str] = {}
 

@@ -206,6 +206,11 @@ def test_allocation_callbacks_match_the_python_ones(tracer_mod):
             free(2000)  # a free inside the op: the op's too
             tr.op_agent = (0, 3, 7, 0, threading.get_ident() + 1, others)  # another thread's op
             alloc(3000)
+            mine_too = []  # this thread's op under way too, begun before the other thread's
+            tr.buffer.ops_of_threads[threading.get_ident()] = (0, 4, 8, 0, threading.get_ident(), mine_too)
+            alloc(3500)
+            free(3500)
+            del tr.buffer.ops_of_threads[threading.get_ident()]
             tr.op_agent = None
             alloc(4000)
             for p in (1000, 2000, 9999, 3000, 4000):
@@ -218,7 +223,7 @@ def test_allocation_callbacks_match_the_python_ones(tracer_mod):
             tr.op_agent = (0, 3, 7, 0, threading.get_ident(), own)
             alloc(7000)  # inside an op (of a hooked region)
             return (list(tr.buffer.events), list(own), list(others), dict(tr.live_device), set(tr._engine_grads),
-                    tr.buffer.total)
+                    tr.buffer.total, list(mine_too))
         finally:
             gt.active = None
 
@@ -229,6 +234,7 @@ def test_allocation_callbacks_match_the_python_ones(tracer_mod):
     assert [(ev[0], ev[2]) for ev in expected[1]] == [(E.ALLOC, 1000), (E.ALLOC, 2000), (E.FREE, 2000),
                                                       (E.ALLOC, 7000)]
     assert expected[2] == []  # another thread's op: this thread's events are not its
+    assert [(ev[0], ev[2]) for ev in expected[6]] == [(E.ALLOC, 3500), (E.FREE, 3500)]  # but its own op's
     assert 6000 not in expected[3] and 7000 in expected[3]
 
 

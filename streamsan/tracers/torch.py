@@ -738,8 +738,8 @@ class TorchTracer:
         """Append an event fired outside the dispatch mode's view (a callback, a patched method): inside an op of
         this thread, to the op's own list (:class:`_OpEvents`); else to the buffer. Ops flush the buffer when they
         end; this flushes only when callbacks alone have filled it several times over."""
-        cur = self.op_agent
-        if cur is not None and cur[4] == _get_ident():
+        cur = self._op_of_this_thread()
+        if cur is not None:
             cur[5].append(ev)
             return
         evs = self.buffer.events
@@ -750,11 +750,22 @@ class TorchTracer:
     def _on_event_delete(self, e):
         self.buffer.events.append((E.EVENT_DELETE, e))
 
+    def _op_of_this_thread(self):
+        """The op this thread is dispatching (its ``op_agent`` tuple), or None. ``op_agent`` is the op begun
+        last, by any thread; ops of several threads may be under way at once (PyTorch releases the GIL inside
+        ops), each in the buffer's ``ops_of_threads``."""
+        cur = self.op_agent
+        ident = _get_ident()
+        if cur is not None and cur[4] == ident:
+            return cur
+        ops = self.buffer.ops_of_threads
+        return ops.get(ident) if ops else None
+
     def _callback_stack(self) -> int:
         """The stack of a callback's event: inside an op of this thread, the op's own (the same stack, already
         captured); else captured here."""
-        cur = self.op_agent
-        if cur is not None and cur[4] == _get_ident():
+        cur = self._op_of_this_thread()
+        if cur is not None:
             return cur[2]
         return self.stacks.outside(self.buffer.events)
 
@@ -776,8 +787,8 @@ class TorchTracer:
     def _on_alloc(self, ptr):
         pool = self.pool_of_thread.get(_get_ident(), 0) if self.pool_of_thread else 0
         tail = (pool,) if pool else ()
-        cur = self.op_agent
-        if cur is None or cur[4] != _get_ident():  # outside an op (or inside another thread's)
+        cur = self._op_of_this_thread()
+        if cur is None:  # outside an op
             if not self.in_scope:
                 return
             dev = _cuda_get_device()
@@ -1482,15 +1493,18 @@ class TorchTracer:
         if dev >= 0:
             a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
             stack = self.stacks.outside(evs)
-            mine = self.op_agent = (dev, a, stack, ctx, _get_ident(), _OpEvents())
+            mine = self.op_agent = self.buffer.ops_of_threads[_get_ident()] = (dev, a, stack, ctx, _get_ident(),
+                                                                            _OpEvents())
             if cpu_r is not None and not cpu_written and not flags:  # an asynchronous copy out of pinned memory
                 self._staged_write(evs, cpu, cpu_r, stack, ctx)
         mark = len(evs)
         try:
             out = plan.call(*args, **kwargs)
         finally:
-            if mine is not None and self.op_agent is mine:
-                self.op_agent = None
+            if mine is not None:
+                self.buffer.ops_of_threads.pop(mine[4], None)
+                if self.op_agent is mine:
+                    self.op_agent = None
         if mine is not None:  # the events this thread fired inside the op, whatever other threads did meanwhile
             evs = mine[5]
             mark = 0
@@ -1713,13 +1727,16 @@ class TorchTracer:
         mine = None
         if dev >= 0:
             a = self.agent(dev, _cuda_raw_stream(dev))
-            mine = self.op_agent = (dev, a, stack, self.ctx, _get_ident(), _OpEvents())
+            mine = self.op_agent = self.buffer.ops_of_threads[_get_ident()] = (dev, a, stack, self.ctx, _get_ident(),
+                                                                            _OpEvents())
         mark = len(evs)
         try:
             out = func(*args, **kwargs)
         finally:
-            if mine is not None and self.op_agent is mine:
-                self.op_agent = None
+            if mine is not None:
+                self.buffer.ops_of_threads.pop(mine[4], None)
+                if self.op_agent is mine:
+                    self.op_agent = None
         if mine is not None:
             return out, a, mine[5], 0
         if self.buffer.events is not evs:  # another thread flushed while the op ran: all since then is inside it
