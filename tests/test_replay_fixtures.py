@@ -15,7 +15,9 @@ and with ``DynamicCache(offloading=True)`` (transformers 5.17's offloading bug);
 (``async-*``): the torch scenarios and the allocator, training, inference, serving and thread/event field scenarios
 under PyTorch's cudaMallocAsync allocator, which reports no allocations or frees (the tracer declares them): the
 native allocator's findings, but for the one exception of test_torch_scenarios.py's UNDER_CUDA_MALLOC_ASYNC and the
-known false report of test_field_inference.py.
+known false report of test_field_inference.py; ``expected_programs.json`` (``programs-*``): the independent programs
+of test_independent_programs.py, stream bugs of real projects and their fixes written by authors who had not read
+streamsan.
 
 The traces are real PyTorch programs (torch 2.11, CUDA 13); CI has no GPU, so this is how it checks the whole
 path from a live program's events to findings.
@@ -34,7 +36,8 @@ EXPECTED = {**json.loads((FIXTURES / "expected.json").read_text()),  # tests/gpu
             **json.loads((FIXTURES / "expected_more.json").read_text()),
             **json.loads((FIXTURES / "expected_field.json").read_text()),
             **json.loads((FIXTURES / "expected_bench.json").read_text()),
-            **json.loads((FIXTURES / "expected_async.json").read_text())}
+            **json.loads((FIXTURES / "expected_async.json").read_text()),
+            **json.loads((FIXTURES / "expected_programs.json").read_text())}
 
 
 def summarize(report):
