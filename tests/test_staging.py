@@ -202,14 +202,15 @@ def test_a_traced_write_is_checked_as_itself_not_again(traced):
 
 
 def test_the_report_explains_a_refill_it_did_not_see_happen():
-    """Replayed from an H200 trace of vLLM's CpuGpuBuffer pattern: the report says the write was inferred and where
-    to synchronize, not that a write happened on the copy's line."""
+    """Replayed from an H200 trace of a scheduler refilling a pinned buffer with ``ctypes.memmove`` (tokenspeed's
+    overlapping scheduler): the report says the write was inferred and where to synchronize, not that a write
+    happened on the copy's line."""
     from pathlib import Path
 
     from streamsan.replay import replay_trace
 
     report = replay_trace(str(Path(__file__).parent / "fixtures" / "gpu" /
-                              "vllm_query_start_loc_refilled_before_copy.sstrace"))
+                              "tokenspeed_overlap_fill_host_races_h2d.sstrace"))
     (race,) = report["races"]
     assert (race["access"]["op"], race["access"]["type"], race["previous_access"]["op"]) == (
         E.UNTRACED_REFILL, "write", "aten::copy_")
