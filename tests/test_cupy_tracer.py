@@ -213,6 +213,48 @@ def test_events_inside_a_call_are_placed_around_its_op(tracer):
     assert an.findings == {}
 
 
+def test_another_threads_events_meanwhile_keep_their_order(tracer):
+    """CuPy releases the GIL inside calls: another thread's events come while a call runs. They keep their order
+    and stay out of the call's placement (before, the call moved its allocations and frees before its op and the
+    rest after it, reordering the other thread's read of a block after that thread's free and reallocation of it),
+    and a call that raises still hands over the events fired inside it."""
+    import threading
+
+    t, buf, an = tracer
+    side = FakeStream(0xABC, 0)
+    other = t._agent(0, 0xDEF)
+
+    def other_thread():
+        t._emit((E.OP, other, "cupy.other_read", ((0, 0x7000, 64),), (), 0, 0, 0))
+        t._on_malloc(0, 0x7000, 64)  # (not the tracer's block yet: a free of it is not seen)
+        t._on_free(0, 0x7000)
+        t._on_malloc(0, 0x7000, 64)
+
+    def fn():
+        t._on_malloc(0, 0x5000, 512)  # the call's output
+        th = threading.Thread(target=other_thread)
+        th.start()
+        th.join()
+        return "out"
+
+    def analyze(tr, args, kwargs, out, pre):
+        return [], [(0, 0x5000, 512)], 0, None
+
+    t._op("cupy.test", fn, (), {}, analyze, lambda a, k: side)
+    got = [(ev[0], ev[2]) for ev in buf.events if ev[0] in (E.OP, E.ALLOC, E.FREE)]
+    assert got == [(E.OP, "cupy.other_read"), (E.ALLOC, 0x7000), (E.FREE, 0x7000), (E.ALLOC, 0x7000),
+                   (E.ALLOC, 0x5000), (E.OP, "cupy.test")]
+
+    def failing():
+        t._on_malloc(0, 0x9000, 16)
+        raise RuntimeError("the call's own error")
+
+    with pytest.raises(RuntimeError):
+        t._op("cupy.fails", failing, (), {}, analyze, lambda a, k: side)
+    assert (E.ALLOC, 0x9000) == [(ev[0], ev[2]) for ev in buf.events if ev[0] == E.ALLOC][-1]
+    assert getattr(t._tl, "inner", None) is None
+
+
 def test_nested_calls_are_not_ops_but_their_syncs_stay(tracer):
     t, buf, an = tracer
 

@@ -362,7 +362,7 @@ class CupyTracer:
     def _note_once(self, msg: str) -> None:
         if msg not in self.problems:
             self.problems.append(msg)
-            self.buffer.events.append((E.NOTE, "warning", msg))
+            self._sink().append((E.NOTE, "warning", msg))
 
     def stop(self) -> None:
         global _active
@@ -475,17 +475,23 @@ class CupyTracer:
         if isinstance(array, self._ndarray):
             mem = array.data.mem
             if mem.size:
-                self.buffer.events.append((E.LABEL, array.data.device_id, int(mem.ptr), int(mem.size), text))
+                self._sink().append((E.LABEL, array.data.device_id, int(mem.ptr), int(mem.size), text))
             return
         r = self._np_range(array)
         if r is not None:
             blk = self._pin_find(r[1])
             start, size = blk if blk is not None else (r[1], r[2])
-            self.buffer.events.append((E.LABEL, E.PINNED, start, size, text))
+            self._sink().append((E.LABEL, E.PINNED, start, size, text))
 
     # ------------------------------------------------------------------ emission
     def _emit(self, ev) -> None:
-        self.buffer.events.append(ev)
+        self._sink().append(ev)
+
+    def _sink(self) -> list:
+        """Where an event goes: inside a traced call of this thread, the call's own list (placed with its op and
+        handed to the buffer at once, whatever other threads do meanwhile); else the buffer."""
+        inner = getattr(self._tl, "inner", None)
+        return inner if inner is not None else self.buffer.events
 
     def _stack(self, skip=2) -> int:
         if getattr(self._tl, "depth", 0):
@@ -507,8 +513,6 @@ class CupyTracer:
         if getattr(tl, "depth", 0) or not self.running or not self._ops_on():
             return fn(*args, **kwargs)
         buf = self.buffer
-        evs = buf.events
-        mark = len(evs)
         try:
             dev, agent = self._stream_agent(stream_of(args, kwargs) if stream_of is not None else None)
         except Exception as e:
@@ -516,26 +520,38 @@ class CupyTracer:
             return fn(*args, **kwargs)
         tl.depth = 1
         tl.stack = 0
+        inner = tl.inner = []  # the events this thread fires inside the call (_sink)
         try:
             out = fn(*args, **kwargs)
-        finally:
+        except BaseException:
             tl.depth = 0
-        pre: list = []
+            tl.inner = None
+            buf.events.extend(inner)
+            raise
+        tl.depth = 0
         try:
-            res = analyze(self, args, kwargs, out, pre)
-        except Exception as e:
-            self._trouble(f"{name}: {type(e).__name__}: {e}")
-            res = None
-        if self.capturing and agent in self.capturing:
-            res = None  # captured into a graph: it does not run now
-        if pre or (res is not None and (res[0] or res[1] or res[2])):
-            self._place(evs, mark, agent, name, res, self._cur_stack(), pre)
-        tl.stack = 0
-        if len(buf.events) >= buf.batch:
+            pre: list = []
+            try:
+                res = analyze(self, args, kwargs, out, pre)
+            except Exception as e:
+                self._trouble(f"{name}: {type(e).__name__}: {e}")
+                res = None
+            if self.capturing and agent in self.capturing:
+                res = None  # captured into a graph: it does not run now
+            if pre or (res is not None and (res[0] or res[1] or res[2])):
+                self._place(inner, agent, name, res, self._cur_stack(), pre)
+        finally:
+            tl.inner = None
+            tl.stack = 0
+            evs = buf.events
+            evs.extend(inner)
+        if len(evs) >= buf.batch:
             buf.flush()
         return out
 
-    def _place(self, evs, mark, agent, name, res, stack, pre) -> None:
+    def _place(self, evs, agent, name, res, stack, pre) -> None:
+        """Put a call's op among the events its thread fired inside it (``evs``, the call's own list):
+        allocations, frees and declarations first, then ``pre`` (e.g. an inferred host write), the op, the rest."""
         op = None
         fresh = None
         if res is not None:
@@ -545,14 +561,8 @@ class CupyTracer:
                 self.saw_cuda = True
                 if writes and self.staged.kept:
                     self.staged.forget(writes)
-        cur = self.buffer.events
-        if cur is not evs:  # flushed meanwhile (another tracer): keep what is left in order
-            cur.extend(pre)
-            if op is not None:
-                cur.append(op)
-            return
-        inner = evs[mark:]
-        del evs[mark:]
+        inner = evs[:]
+        del evs[:]
         after = []
         for ev in inner:
             if ev[0] in _PRE:
@@ -627,7 +637,7 @@ class CupyTracer:
                 base = base.base
             bptr = base.__array_interface__["data"][0]
             self._pin_register(bptr, base.nbytes)
-            self.buffer.events.append((E.ALLOC, E.PINNED, bptr, base.nbytes, E.HOST, 0, self.ctx,
+            self._sink().append((E.ALLOC, E.PINNED, bptr, base.nbytes, E.HOST, 0, self.ctx,
                                        f"pinned {describe(base)}"))
         return strided_range(E.PINNED, ptr, arr.shape, arr.strides, arr.itemsize)
 
@@ -850,12 +860,12 @@ class CupyTracer:
             h = 0
         a = self._agent(device_id, h)
         self.live[(device_id, ptr)] = size
-        self.buffer.events.append((E.ALLOC, device_id, ptr, size, a, self._stack(3), self.ctx, ""))
+        self._sink().append((E.ALLOC, device_id, ptr, size, a, self._stack(3), self.ctx, ""))
 
     def _on_free(self, device_id, ptr) -> None:
         if self.live.pop((device_id, ptr), None) is None or not self.running:
             return
-        self.buffer.events.append((E.FREE, device_id, ptr, 0))
+        self._sink().append((E.FREE, device_id, ptr, 0))
 
     def _on_pinned(self, ptr: int, size: int) -> None:
         if not self.running or not ptr or size <= 0:
@@ -863,7 +873,7 @@ class CupyTracer:
         self._pin_register(ptr, size)
         if self.staged.kept:
             self.staged.forget(((E.PINNED, ptr, size),))
-        self.buffer.events.append((E.ALLOC, E.PINNED, ptr, size, E.HOST, self._stack(3), self.ctx,
+        self._sink().append((E.ALLOC, E.PINNED, ptr, size, E.HOST, self._stack(3), self.ctx,
                                    f"pinned {size} bytes"))
 
     def _enter_hook_here(self) -> None:
