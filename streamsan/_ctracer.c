@@ -49,7 +49,6 @@ typedef struct {
     PyObject *tracer;
     /* the tracer's attributes that never change, read once: */
     PyObject *buffer, *agent_of, *stacks, *kinds, *ids, *engine_threads, *plans;
-    PyObject *ops; /* buffer.ops_of_threads */
     long key_users, max_key;
     Py_ssize_t batch; /* buffer.batch (set once, when the buffer is made) */
     int saw_cuda;     /* whether this dispatch has set tracer.saw_cuda (which nothing sets back) */
@@ -551,19 +550,11 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
     if (inner == NULL) goto error;
     mine = PyTuple_Pack(6, devobj, agent, stack, ctx, ident, inner);
     if (mine == NULL) goto error;
-    ops = d->ops;
-    Py_INCREF(ops);
-    {
-        /* op_agent holds the op begun last; one of another thread still under way that it held is filed in
-         * `ops` for its thread to find (a single thread never touches `ops`). No Python code runs between the
-         * read and the write. */
-        PyObject *prev = PyObject_GetAttr(tracer, s_op_agent);
-        if (prev == NULL) goto error;
-        int theirs = prev != Py_None && PyTuple_Check(prev) && PyTuple_GET_SIZE(prev) > 5 &&
-                     PyObject_RichCompareBool(PyTuple_GET_ITEM(prev, 4), ident, Py_NE) > 0;
-        int rc = theirs ? PyDict_SetItem(ops, PyTuple_GET_ITEM(prev, 4), prev) : 0;
-        Py_DECREF(prev);
-        if (rc < 0 || PyObject_SetAttr(tracer, s_op_agent, mine) < 0) goto error;
+    if (PyObject_SetAttr(tracer, s_op_agent, mine) < 0) goto error;
+    ops = PyObject_GetAttr(buffer, s_ops_of_threads);
+    if (ops == NULL || !PyDict_Check(ops) || PyDict_SetItem(ops, ident, mine) < 0) {
+        if (ops != NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "ops_of_threads is not a dict");
+        goto error;
     }
 
     Py_ssize_t mark = 0;
@@ -572,12 +563,9 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
         /* finally: the op is no longer this thread's current op */
         PyObject *et, *ev, *etb;
         PyErr_Fetch(&et, &ev, &etb);
+        if (PyDict_DelItem(ops, ident) < 0) PyErr_Clear();
         PyObject *cur = PyObject_GetAttr(tracer, s_op_agent);
-        if (cur == mine) {
-            PyObject_SetAttr(tracer, s_op_agent, Py_None);
-        } else if (PyDict_GET_SIZE(ops) && PyDict_DelItem(ops, ident) < 0) { /* filed by another thread */
-            PyErr_Clear();
-        }
+        if (cur == mine) PyObject_SetAttr(tracer, s_op_agent, Py_None);
         Py_XDECREF(cur);
         if (out == NULL) {
             PyErr_Restore(et, ev, etb);
@@ -925,8 +913,7 @@ static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
         read_attr(tracer, s_stacks, &self->stacks, 0) < 0 || read_attr(self->stacks, s_kind, &self->kinds, 1) < 0 ||
         read_attr(self->stacks, s_ids, &self->ids, 1) < 0 ||
         read_attr(tracer, s_engine_threads, &self->engine_threads, 2) < 0 ||
-        read_attr(tracer, s_plans, &self->plans, 1) < 0 || read_attr(self->buffer, s_ops_of_threads, &self->ops, 1) < 0 ||
-        read_attr(self->stacks, s_key_users, &users, 0) < 0 ||
+        read_attr(tracer, s_plans, &self->plans, 1) < 0 || read_attr(self->stacks, s_key_users, &users, 0) < 0 ||
         read_attr(self->stacks, s_max_key, &max_key, 0) < 0) {
         Py_XDECREF(users);
         return -1;
@@ -960,8 +947,7 @@ static void clear_fields(PyObject *self, const Py_ssize_t *fields) {
 static const Py_ssize_t dispatch_fields[] = {
     offsetof(Dispatch, buffer), offsetof(Dispatch, agent_of), offsetof(Dispatch, stacks),
     offsetof(Dispatch, kinds), offsetof(Dispatch, ids), offsetof(Dispatch, engine_threads),
-    offsetof(Dispatch, plans), offsetof(Dispatch, tracer), offsetof(Dispatch, fallback), offsetof(Dispatch, self_),
-    offsetof(Dispatch, ops), -1};
+    offsetof(Dispatch, plans), offsetof(Dispatch, tracer), offsetof(Dispatch, fallback), offsetof(Dispatch, self_), -1};
 
 static PyObject *Dispatch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Dispatch *self = (Dispatch *)type->tp_alloc(type, 0);
@@ -1039,7 +1025,7 @@ typedef struct {
     int kind;           /* CB_ALLOC, CB_FREE, CB_EVENT (an event record or wait: `event` is its event code) */
     PyObject *event;
     /* the last active tracer and its attributes that never change */
-    PyObject *seen, *live, *buffer, *pools, *grads, *ops; /* (ops: buffer.ops_of_threads) */
+    PyObject *seen, *live, *buffer, *pools, *grads;
     Py_ssize_t batch; /* the buffer's batch size */
     PyObject *capture; /* a Dispatch of the tracer seen, for its stack capture only (made at the first need) */
     vectorcallfunc vectorcall;
@@ -1063,16 +1049,14 @@ static PyObject *active_tracer(Callback *c) {
         PyObject *live = PyObject_GetAttr(t, s_live_device), *buffer = PyObject_GetAttr(t, s_buffer),
                  *pools = PyObject_GetAttr(t, s_pool_of_thread), *grads = PyObject_GetAttr(t, s_engine_grads);
         PyObject *batch = buffer != NULL ? PyObject_GetAttr(buffer, s_batch) : NULL;
-        PyObject *ops = buffer != NULL ? PyObject_GetAttr(buffer, s_ops_of_threads) : NULL;
         Py_ssize_t b = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
         Py_XDECREF(batch);
-        if (live == NULL || buffer == NULL || pools == NULL || grads == NULL || ops == NULL || b < 0 ||
-            !PyDict_Check(live) || !PyDict_Check(pools) || !PySet_Check(grads) || !PyDict_Check(ops)) {
+        if (live == NULL || buffer == NULL || pools == NULL || grads == NULL || b < 0 || !PyDict_Check(live) ||
+            !PyDict_Check(pools) || !PySet_Check(grads)) {
             Py_XDECREF(live);
             Py_XDECREF(buffer);
             Py_XDECREF(pools);
             Py_XDECREF(grads);
-            Py_XDECREF(ops);
             Py_DECREF(t);
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a tracer of another kind");
             return NULL;
@@ -1081,7 +1065,6 @@ static PyObject *active_tracer(Callback *c) {
         Py_XSETREF(c->buffer, buffer);
         Py_XSETREF(c->pools, pools);
         Py_XSETREF(c->grads, grads);
-        Py_XSETREF(c->ops, ops);
         c->batch = b;
         Py_INCREF(t);
         Py_XSETREF(c->seen, t);
@@ -1123,9 +1106,9 @@ static PyObject *op_events(PyObject *cur, PyObject *buffer) {
 }
 
 /* The op this thread is dispatching, as TorchTracer._op_of_this_thread: `op_agent` if it is this thread's, else
- * this thread's entry of `ops` (the buffer's `ops_of_threads`). A new reference, or Py_None (new reference too) outside an op of this
+ * this thread's entry of `ops_of_threads`. A new reference, or Py_None (new reference too) outside an op of this
  * thread; NULL on error. */
-static PyObject *this_threads_op(PyObject *t, PyObject *ops) {
+static PyObject *this_threads_op(PyObject *t) {
     PyObject *cur = PyObject_GetAttr(t, s_op_agent);
     if (cur == NULL) return NULL;
     int mine = op_of_this_thread(cur);
@@ -1134,9 +1117,13 @@ static PyObject *this_threads_op(PyObject *t, PyObject *ops) {
         return cur;
     }
     Py_DECREF(cur);
-    Py_INCREF(ops);
+    PyObject *buffer = PyObject_GetAttr(t, s_buffer);
+    if (buffer == NULL) return NULL;
+    PyObject *ops = PyObject_GetAttr(buffer, s_ops_of_threads);
+    Py_DECREF(buffer);
+    if (ops == NULL) return NULL;
     PyObject *r = Py_None;
-    if (PyDict_GET_SIZE(ops)) {
+    if (PyDict_Check(ops) && PyDict_GET_SIZE(ops)) {
         PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
         PyObject *got = ident != NULL ? PyDict_GetItemWithError(ops, ident) : NULL;
         Py_XDECREF(ident);
@@ -1153,7 +1140,7 @@ static PyObject *this_threads_op(PyObject *t, PyObject *ops) {
 
 /* 1 done, 0 the Python callback's case, -1 error (nothing changed then). */
 static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
-    PyObject *cur = this_threads_op(t, c->ops);
+    PyObject *cur = this_threads_op(t);
     if (cur == NULL) return -1;
     int rc = 0;
     int in_op = cur != Py_None;
@@ -1203,7 +1190,7 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     Py_ssize_t batch = c->batch;
     PyObject *dev = PyDict_GetItemWithError(live, ptr);
     if (dev == NULL) return PyErr_Occurred() ? -1 : 1; /* not a block of the tracer's */
-    PyObject *cur = this_threads_op(t, c->ops);
+    PyObject *cur = this_threads_op(t);
     if (cur == NULL) return -1;
     int in_op = cur != Py_None;
     PyObject *evs = in_op ? op_events(cur, buffer) : PyObject_GetAttr(buffer, s_events);
@@ -1238,7 +1225,7 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
         agent = PyObject_VectorcallMethod(s_agent_for_handle, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
     if (agent == NULL) goto done;
-    if ((cur = this_threads_op(t, c->ops)) == NULL) goto done;
+    if ((cur = this_threads_op(t)) == NULL) goto done;
     int mine = cur != Py_None;
     if (mine) { /* the op's own stack, and its own list */
         stack = PyTuple_GET_ITEM(cur, 2);
@@ -1329,7 +1316,7 @@ static PyObject *Callback_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 static const Py_ssize_t callback_fields[] = {
     offsetof(Callback, seen), offsetof(Callback, live), offsetof(Callback, buffer), offsetof(Callback, pools),
     offsetof(Callback, grads), offsetof(Callback, gputrace), offsetof(Callback, fallback), offsetof(Callback, event),
-    offsetof(Callback, capture), offsetof(Callback, ops), -1};
+    offsetof(Callback, capture), -1};
 
 static int Callback_traverse(Callback *self, visitproc visit, void *arg) {
     return visit_fields((PyObject *)self, callback_fields, visit, arg);

@@ -172,30 +172,6 @@ def test_internal_error_stops_tracing_and_the_program_goes_on(tracer_mod):
 
 
 @needs_c_tracer
-@pytest.mark.parametrize("core", ["c", "python"])
-def test_an_op_begun_over_another_threads_op_files_it_for_that_thread(tracer_mod, core):
-    """``op_agent`` holds the op begun last. An op that replaces one of another thread still under way files that
-    one in the buffer's ``ops_of_threads`` (its thread's callbacks find it there), and leaves nothing behind of
-    its own when it ends."""
-    import threading
-
-    import standin
-
-    enter = standin.modes(tracer_mod)
-    mode = enter("trace" if core == "c" else "trace-python")
-    tr = mode.tracer
-    x = torch.ones(4)
-    x + 1  # (the plan is made on the Python path)
-    other = (0, 3, 7, 0, threading.get_ident() + 1, [])  # another thread's op, under way
-    tr.op_agent = other
-    x + 2
-    mode.__exit__(None, None, None)
-    tracer_mod._GpuTrace.active = None
-    assert tr.op_agent is None
-    assert tr.buffer.ops_of_threads == {other[4]: other}
-
-
-@needs_c_tracer
 def test_allocation_callbacks_match_the_python_ones(tracer_mod):
     """PyTorch's allocation and free callbacks in C against the Python ones, on the same tracer states: inside an
     op of this thread, outside one, inside a memory pool, a free of a block seen and of one not seen."""

@@ -742,10 +742,6 @@ class TorchTracer:
         if cur is not None:
             cur[5].append(ev)
             return
-        self._emit_here(ev)
-
-    def _emit_here(self, ev) -> None:
-        """:meth:`_emit` outside any op of this thread."""
         evs = self.buffer.events
         evs.append(ev)
         if len(evs) >= 4 * self.buffer.batch and self.op_agent is None:
@@ -764,18 +760,6 @@ class TorchTracer:
             return cur
         ops = self.buffer.ops_of_threads
         return ops.get(ident) if ops else None
-
-    def _begin_op(self, dev, a, stack, ctx) -> tuple:
-        """Make this thread's op the current one (``op_agent``): filed in the buffer's ``ops_of_threads`` for its
-        callbacks, and so is an op of another thread that ``op_agent`` held (as the C tracer files it)."""
-        ops = self.buffer.ops_of_threads
-        me = _get_ident()
-        mine = ops[me] = (dev, a, stack, ctx, me, _OpEvents())
-        prev = self.op_agent
-        self.op_agent = mine
-        if prev is not None and prev[4] != me and len(prev) > 5:
-            ops[prev[4]] = prev
-        return mine
 
     def _callback_stack(self) -> int:
         """The stack of a callback's event: inside an op of this thread, the op's own (the same stack, already
@@ -810,7 +794,7 @@ class TorchTracer:
             dev = _cuda_get_device()
             cur = (dev, self.agent(dev, _cuda_raw_stream(dev)), 0, 0)
             self.live_device[ptr] = dev
-            self._emit_here((E.ALLOC, dev, ptr, 0, cur[1], 0, 0, "") + tail)
+            self._emit((E.ALLOC, dev, ptr, 0, cur[1], 0, 0, "") + tail)
             return
         dev = cur[0]
         self.live_device[ptr] = dev
@@ -1509,7 +1493,8 @@ class TorchTracer:
         if dev >= 0:
             a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
             stack = self.stacks.outside(evs)
-            mine = self._begin_op(dev, a, stack, ctx)
+            mine = self.op_agent = self.buffer.ops_of_threads[_get_ident()] = (dev, a, stack, ctx, _get_ident(),
+                                                                            _OpEvents())
             if cpu_r is not None and not cpu_written and not flags:  # an asynchronous copy out of pinned memory
                 self._staged_write(evs, cpu, cpu_r, stack, ctx)
         mark = len(evs)
@@ -1742,7 +1727,8 @@ class TorchTracer:
         mine = None
         if dev >= 0:
             a = self.agent(dev, _cuda_raw_stream(dev))
-            mine = self._begin_op(dev, a, stack, self.ctx)
+            mine = self.op_agent = self.buffer.ops_of_threads[_get_ident()] = (dev, a, stack, self.ctx, _get_ident(),
+                                                                            _OpEvents())
         mark = len(evs)
         try:
             out = func(*args, **kwargs)
