@@ -36,6 +36,18 @@ def test_allocations_first_and_the_pinned_allocators_event_and_syncs_after():
     assert place([a, rec, sync]) == [a, ("OP",), rec, sync]
 
 
+def test_a_temporary_allocated_and_freed_inside_the_op_stays_before_it():
+    """``bincount`` allocates a temporary, frees it, and its output gets the same block: the frees of blocks the op
+    allocated keep their place among its allocations (before, every free went after the op, so the output was
+    freed there and the allocations overlapped); a free of memory allocated before the op stays after it."""
+    tmp = E.alloc(0, DEV0 + 4096, 0, SRC)
+    free_tmp = E.free(0, DEV0 + 4096)
+    out = E.alloc(0, DEV0 + 4096, 0, SRC)
+    free_older = E.free(0, DEV0 + 8192)
+    rec = E.event_record(13, SRC)
+    assert place([tmp, free_tmp, out, free_older, rec]) == [tmp, free_tmp, out, ("OP",), free_older, rec]
+
+
 def test_a_wait_after_the_ops_own_record_stays_after():
     rec = E.event_record(14, SRC)
     wait = E.event_wait(15, SRC)

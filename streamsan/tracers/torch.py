@@ -1667,9 +1667,11 @@ class TorchTracer:
                 evs[i] = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or stack, ev[6], what) + ev[8:]
 
     def _place(self, evs, mark, op, out, pre=(), collective: bool = False) -> None:
-        """Reorder the events fired inside an op: its allocations (sized from its outputs) first, then the barrier
-        its kernel waits for (:func:`_kernel_position`), then the op, then everything else (a blocking copy's
-        synchronization, the pinned allocator's event record). A collective is moved to the stream it runs on."""
+        """Reorder the events fired inside an op: its allocations (sized from its outputs) first, with the frees of
+        the temporaries it allocated and freed inside (in their order: a block may be handed out again within the
+        op), then the barrier its kernel waits for (:func:`_kernel_position`), then the op, then everything else
+        (a blocking copy's synchronization, the pinned allocator's event record, frees of memory allocated
+        before). A collective is moved to the stream it runs on."""
         if self.staged.kept:
             self.staged.forget(op[4])
         sizes = self._output_blocks(out)
@@ -1685,11 +1687,16 @@ class TorchTracer:
         del evs[mark:]
         evs.extend(pre)
         rest = []
+        temporaries = set()  # (space, pointer) of the blocks allocated inside the op and not freed yet
         for ev in inner:
             if ev[0] == E.ALLOC:
                 if ev[3] == 0 and ev[2] in sizes:
                     size, what = sizes[ev[2]]
                     ev = (E.ALLOC, ev[1], ev[2], size, ev[4], ev[5] or op[5], ev[6] or op[6], what) + ev[8:]
+                evs.append(ev)
+                temporaries.add((ev[1], ev[2]))
+            elif ev[0] == E.FREE and (ev[1], ev[2]) in temporaries:
+                temporaries.discard((ev[1], ev[2]))
                 evs.append(ev)
             elif ev[0] in (E.STREAM, E.DEF_STACK, E.DEF_CONTEXT):
                 evs.append(ev)
