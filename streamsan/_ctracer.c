@@ -1081,7 +1081,7 @@ static PyObject *active_tracer(Callback *c) {
 /* Whether op_agent `cur` is an op of this thread (TorchTracer: `cur is not None and cur[4] == _get_ident()`):
  * 1, 0, or -1 on error. */
 static int op_of_this_thread(PyObject *cur) {
-    if (!PyTuple_Check(cur) || PyTuple_GET_SIZE(cur) < 5) return 0;
+    if (!PyTuple_Check(cur) || PyTuple_GET_SIZE(cur) != 6) return 0;
     PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
     int mine = ident != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(cur, 4), ident, Py_EQ) : -1;
     Py_XDECREF(ident);
@@ -1089,20 +1089,15 @@ static int op_of_this_thread(PyObject *cur) {
 }
 
 /* The list an event fired inside op_agent `cur` of this thread goes to: the op's own (item 5, TorchTracer's
- * _OpEvents), or the buffer's where the tuple has none. New reference, or NULL on error. */
-static PyObject *op_events(PyObject *cur, PyObject *buffer) {
-    if (PyTuple_GET_SIZE(cur) > 5 && PyList_Check(PyTuple_GET_ITEM(cur, 5))) {
-        PyObject *l = PyTuple_GET_ITEM(cur, 5);
-        Py_INCREF(l);
-        return l;
-    }
-    PyObject *evs = PyObject_GetAttr(buffer, s_events);
-    if (evs != NULL && !PyList_Check(evs)) {
-        Py_DECREF(evs);
-        PyErr_SetString(PyExc_TypeError, "buffer.events is not a list");
+ * _OpEvents). New reference, or NULL on error. */
+static PyObject *op_events(PyObject *cur) {
+    PyObject *l = PyTuple_GET_ITEM(cur, 5);
+    if (!PyList_Check(l)) {
+        PyErr_SetString(PyExc_TypeError, "an op's own events are not a list");
         return NULL;
     }
-    return evs;
+    Py_INCREF(l);
+    return l;
 }
 
 /* The op this thread is dispatching, as TorchTracer._op_of_this_thread: `op_agent` if it is this thread's, else
@@ -1148,7 +1143,7 @@ static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
         int scope = attr_true(t, s_in_scope);
         rc = scope < 0 ? -1 : (scope ? 0 : 1);
     } else if (PyDict_GET_SIZE(c->pools) == 0) { /* an op's own allocation */
-        PyObject *evs = op_events(cur, c->buffer);
+        PyObject *evs = op_events(cur);
         PyObject *ev = NULL;
         if (evs == NULL) {
             rc = -1;
@@ -1193,7 +1188,7 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     PyObject *cur = this_threads_op(t);
     if (cur == NULL) return -1;
     int in_op = cur != Py_None;
-    PyObject *evs = in_op ? op_events(cur, buffer) : PyObject_GetAttr(buffer, s_events);
+    PyObject *evs = in_op ? op_events(cur) : PyObject_GetAttr(buffer, s_events);
     Py_DECREF(cur);
     if (evs == NULL || !PyList_Check(evs)) {
         Py_XDECREF(evs);
@@ -1230,7 +1225,7 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
     if (mine) { /* the op's own stack, and its own list */
         stack = PyTuple_GET_ITEM(cur, 2);
         Py_INCREF(stack);
-        if ((evs = op_events(cur, buffer)) == NULL) goto done;
+        if ((evs = op_events(cur)) == NULL) goto done;
     } else {
         if ((evs = PyObject_GetAttr(buffer, s_events)) == NULL) goto done;
         if (!PyList_Check(evs)) goto done;

@@ -522,14 +522,10 @@ class CupyTracer:
         tl.stack = 0
         inner = tl.inner = []  # the events this thread fires inside the call (_sink)
         try:
-            out = fn(*args, **kwargs)
-        except BaseException:
-            tl.depth = 0
-            tl.inner = None
-            buf.events.extend(inner)
-            raise
-        tl.depth = 0
-        try:
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                tl.depth = 0
             pre: list = []
             try:
                 res = analyze(self, args, kwargs, out, pre)
@@ -638,7 +634,7 @@ class CupyTracer:
             bptr = base.__array_interface__["data"][0]
             self._pin_register(bptr, base.nbytes)
             self._sink().append((E.ALLOC, E.PINNED, bptr, base.nbytes, E.HOST, 0, self.ctx,
-                                       f"pinned {describe(base)}"))
+                                 f"pinned {describe(base)}"))
         return strided_range(E.PINNED, ptr, arr.shape, arr.strides, arr.itemsize)
 
     def _ptr_space(self, ptr: int):
@@ -874,7 +870,7 @@ class CupyTracer:
         if self.staged.kept:
             self.staged.forget(((E.PINNED, ptr, size),))
         self._sink().append((E.ALLOC, E.PINNED, ptr, size, E.HOST, self._stack(3), self.ctx,
-                                   f"pinned {size} bytes"))
+                             f"pinned {size} bytes"))
 
     def _enter_hook_here(self) -> None:
         hook = _make_hook(self.cp, self)

@@ -11,23 +11,23 @@ or by a library hook comes later and wins.
 from __future__ import annotations
 
 import linecache
-import os
 import re
 
+from ..findings import is_library_frame
+from ..stacks import is_own_file
+
 _TARGET = re.compile(r"^\s*([A-Za-z_][\w.]*(?:\[[^\]=\n]*\])*)\s*(?::[^=\n]+)?=(?!=)")
-_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LIBRARIES = re.compile(r"[\\/](site|dist)-packages[\\/](torch|cupy|cupyx|cupy_backends)[\\/]")
 
 
 def creation_name(frame) -> str | None:
     """The expression that the first frame outside streamsan (``frame`` or a caller) assigns on its current
     line, or None (see the module's docstring)."""
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN):
+    while frame is not None and is_own_file(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
         return None
     filename = frame.f_code.co_filename
-    if _LIBRARIES.search(filename):
+    if is_library_frame(filename):
         return None
     return assigned_to(linecache.getline(filename, frame.f_lineno))
 

@@ -1493,8 +1493,8 @@ class TorchTracer:
         if dev >= 0:
             a = self.agent_of.get((dev, _cuda_raw_stream(dev))) or self.agent(dev, _cuda_raw_stream(dev))
             stack = self.stacks.outside(evs)
-            mine = self.op_agent = self.buffer.ops_of_threads[_get_ident()] = (dev, a, stack, ctx, _get_ident(),
-                                                                            _OpEvents())
+            me = _get_ident()
+            mine = self.op_agent = self.buffer.ops_of_threads[me] = (dev, a, stack, ctx, me, _OpEvents())
             if cpu_r is not None and not cpu_written and not flags:  # an asynchronous copy out of pinned memory
                 self._staged_write(evs, cpu, cpu_r, stack, ctx)
         mark = len(evs)
@@ -1734,8 +1734,8 @@ class TorchTracer:
         mine = None
         if dev >= 0:
             a = self.agent(dev, _cuda_raw_stream(dev))
-            mine = self.op_agent = self.buffer.ops_of_threads[_get_ident()] = (dev, a, stack, self.ctx, _get_ident(),
-                                                                            _OpEvents())
+            me = _get_ident()
+            mine = self.op_agent = self.buffer.ops_of_threads[me] = (dev, a, stack, self.ctx, me, _OpEvents())
         mark = len(evs)
         try:
             out = func(*args, **kwargs)
