@@ -42,13 +42,15 @@ static PyObject *s_tracing, *s_plans, *s_buffer, *s_events, *s_ctx, *s_agent_of,
     *s_batch, *s_engine_threads, *s_stacks, *s_nbytes, *s_data_ptr, *s_is_contiguous, *s_get_device,
     *s_untyped_storage, *s_range_in, *s_outputs, *s_place, *s_fill_alloc_sizes, *s_engine_op, *s_flush, *s_agent,
     *s_stop_on_bug, *s_fast, *s_pin_memory, *s_kind, *s_ids, *s_classify, *s_define, *s_no_frames, *s_key_users,
-    *s_max_key, *s_device, *s_agent_for_handle, *s_dtype, *s_shape, *s_stride, *s_element_size, *s_in_scope;
+    *s_max_key, *s_device, *s_agent_for_handle, *s_dtype, *s_shape, *s_stride, *s_element_size, *s_in_scope,
+    *s_index_values, *s_spans, *s_written;
 
 typedef struct {
     PyObject_HEAD
     PyObject *tracer;
     /* the tracer's attributes that never change, read once: */
     PyObject *buffer, *agent_of, *stacks, *kinds, *ids, *engine_threads, *plans;
+    PyObject *index_values, *index_spans; /* tracer.index_values and its spans (a list changed only in place) */
     long key_users, max_key;
     Py_ssize_t batch; /* buffer.batch (set once, when the buffer is made) */
     int saw_cuda;     /* whether this dispatch has set tracer.saw_cuda (which nothing sets back) */
@@ -493,6 +495,36 @@ static long scan_args(PyObject *tracer, PyObject *tensor_args, int is_copy, PyOb
     return dev;
 }
 
+/* Whether one of `writes` (ranges) may overlap one of `spans` ((space, lo, hi) of known index values): 1 on any
+ * doubt. */
+static int touches_spans(PyObject *spans, PyObject *writes) {
+    Py_ssize_t ns = PyList_GET_SIZE(spans), nw = PyList_GET_SIZE(writes);
+    for (Py_ssize_t i = 0; i < nw; i++) {
+        PyObject *w = PyList_GET_ITEM(writes, i);
+        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) < 3) return 1;
+        long long space = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 0));
+        long long lo = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 1));
+        long long hi = lo + PyLong_AsLongLong(PyTuple_GET_ITEM(w, 2));
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            return 1;
+        }
+        for (Py_ssize_t j = 0; j < ns; j++) {
+            PyObject *s = PyList_GET_ITEM(spans, j);
+            if (!PyTuple_Check(s) || PyTuple_GET_SIZE(s) != 3) return 1;
+            long long ss = PyLong_AsLongLong(PyTuple_GET_ITEM(s, 0));
+            long long slo = PyLong_AsLongLong(PyTuple_GET_ITEM(s, 1));
+            long long shi = PyLong_AsLongLong(PyTuple_GET_ITEM(s, 2));
+            if (PyErr_Occurred()) {
+                PyErr_Clear();
+                return 1;
+            }
+            if (ss == space && slo < hi && lo < shi) return 1;
+        }
+    }
+    return 0;
+}
+
 /* Kind 3, after the scan found a device: everything `_dispatch` does from the agent on. `ran`/`out` tell the
  * caller whether the op ran (on error). */
 static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObject *name, int fresh_outputs,
@@ -642,6 +674,12 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
     if (!d->saw_cuda) {
         if (PyObject_SetAttr(tracer, s_saw_cuda, Py_True) < 0) goto error;
         d->saw_cuda = 1;
+    }
+    if (PyList_GET_SIZE(d->index_spans) > 0 && touches_spans(d->index_spans, writes)) {
+        /* known index values the op may overwrite: forgotten (TorchTracer._dispatch does the same) */
+        PyObject *r = PyObject_CallMethodOneArg(d->index_values, s_written, writes);
+        if (r == NULL) goto error;
+        Py_DECREF(r);
     }
     {
         PyObject *rt = PyList_AsTuple(reads), *wt = PyList_AsTuple(writes);
@@ -914,7 +952,9 @@ static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
         read_attr(self->stacks, s_ids, &self->ids, 1) < 0 ||
         read_attr(tracer, s_engine_threads, &self->engine_threads, 2) < 0 ||
         read_attr(tracer, s_plans, &self->plans, 1) < 0 || read_attr(self->stacks, s_key_users, &users, 0) < 0 ||
-        read_attr(self->stacks, s_max_key, &max_key, 0) < 0) {
+        read_attr(self->stacks, s_max_key, &max_key, 0) < 0 ||
+        read_attr(tracer, s_index_values, &self->index_values, 0) < 0 ||
+        read_attr(self->index_values, s_spans, &self->index_spans, 0) < 0) {
         Py_XDECREF(users);
         return -1;
     }
@@ -923,6 +963,10 @@ static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
     Py_DECREF(users);
     Py_DECREF(max_key);
     if (PyErr_Occurred()) return -1;
+    if (!PyList_Check(self->index_spans)) {
+        PyErr_SetString(PyExc_TypeError, "tracer.index_values.spans is not a list");
+        return -1;
+    }
     PyObject *batch = PyObject_GetAttr(self->buffer, s_batch);
     self->batch = batch != NULL ? PyLong_AsSsize_t(batch) : -1;
     Py_XDECREF(batch);
@@ -947,7 +991,8 @@ static void clear_fields(PyObject *self, const Py_ssize_t *fields) {
 static const Py_ssize_t dispatch_fields[] = {
     offsetof(Dispatch, buffer), offsetof(Dispatch, agent_of), offsetof(Dispatch, stacks),
     offsetof(Dispatch, kinds), offsetof(Dispatch, ids), offsetof(Dispatch, engine_threads),
-    offsetof(Dispatch, plans), offsetof(Dispatch, tracer), offsetof(Dispatch, fallback), offsetof(Dispatch, self_), -1};
+    offsetof(Dispatch, plans), offsetof(Dispatch, tracer), offsetof(Dispatch, fallback), offsetof(Dispatch, self_),
+    offsetof(Dispatch, index_values), offsetof(Dispatch, index_spans), -1};
 
 static PyObject *Dispatch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Dispatch *self = (Dispatch *)type->tp_alloc(type, 0);
@@ -1401,6 +1446,9 @@ PyMODINIT_FUNC PyInit__ctracer(void) {
     INTERN(s_ops_of_threads, "ops_of_threads");
     INTERN(s_saw_cuda, "saw_cuda");
     INTERN(s_batch, "batch");
+    INTERN(s_index_values, "index_values");
+    INTERN(s_spans, "spans");
+    INTERN(s_written, "written");
     INTERN(s_engine_threads, "_engine_threads");
     INTERN(s_stacks, "stacks");
     INTERN(s_nbytes, "nbytes");

@@ -25,6 +25,7 @@ class StreamRegistry:
         self.flags_of: dict[tuple[int, int], int] = {}
         self._next = 1  # agent ids are never reused (a forgotten handle's agent keeps its history)
         self._created_names: dict[str, list[int]] = {}  # name of a creation site -> handles given it, in order
+        self.collective: set[int] = set()  # agents collectives ran on (named "collective stream" once)
         # (re-entrant: a garbage collection inside _declare can run a callback that declares another stream)
         self._lock = threading.RLock()
 

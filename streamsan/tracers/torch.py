@@ -45,6 +45,7 @@ from ..agents import StreamRegistry
 from ..findings import ENGINE_FRAME
 from ..stacks import USER, StackTable, is_own_file
 from .graphs import GraphAccesses
+from .indices import INDEXED_OPS, IndexValues, indexed_rows
 from .naming import creation_name
 from .pinned_numpy import attach, detach, pinned_class, strided_range
 from .staging import WRITE_SEEN, PinnedStaging
@@ -112,7 +113,7 @@ class OpPlan:
     """
 
     __slots__ = ("func", "call", "name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy",
-                 "pinning", "pinning_or_copy", "record_stream", "collective", "fast")
+                 "pinning", "pinning_or_copy", "record_stream", "collective", "indexed", "arange", "fast")
 
     def __init__(self, func):
         self.func = func
@@ -126,6 +127,8 @@ class OpPlan:
         self.collective = schema.name.startswith(COLLECTIVE_NAMESPACES)
         self.pinning_or_copy = self.pinning or self.is_copy
         self.record_stream = schema.name == "aten::record_stream"
+        self.indexed = INDEXED_OPS.get(self.name)  # an index-addressed op (streamsan.tracers.indices)
+        self.arange = base == "arange"
         factory = base.endswith(_FACTORY_SUFFIX) or base.startswith(_FACTORY_PREFIX)
         # c10d's in-place collectives carry no alias annotations: every tensor they take may be written
         inplace_collective = self.collective and base.endswith("_")
@@ -152,7 +155,7 @@ class OpPlan:
         if self.skip:
             kind = _FAST_NONE if self.record_stream else _FAST_ALLOCATING if self.fresh_outputs else _FAST_UNTOUCHED
         else:
-            kind = _FAST_NONE if self.pinning or self.collective else _FAST_ACCESSES
+            kind = _FAST_NONE if self.pinning or self.collective or self.indexed else _FAST_ACCESSES
         self.fast = (kind, self.call, self.name, self.tensor_args, self.fresh_outputs, self.is_copy)
 
 
@@ -620,7 +623,6 @@ class TorchTracer:
         self.on_note = None  # the session's note function (also tells the user once); else a NOTE event
         self._scope_depth = threading.local()
         self._patched: list = []
-        self._collective_agents: set[int] = set()
         self._record_stream_seen = None  # the thread whose dispatch mode last saw a record_stream
         self.stacks.fallback = self._engine_stack
         self._backward_site: tuple = ()  # report frames of the latest backward() / autograd.grad() call
@@ -632,6 +634,7 @@ class TorchTracer:
         self.views = HostViews()
         self.staged = PinnedStaging(_storage_base)  # pinned blocks' bytes as asynchronous copies read them
         self.pool_of_thread: dict[int, int] = {}  # thread -> the memory pool its allocations go to (use_mem_pool)
+        self.index_values = IndexValues()  # device index tensors' values seen on the host (copies, arange)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -1252,6 +1255,8 @@ class TorchTracer:
                 cap[1].extend(writes)
             return
         self.saw_cuda = True
+        if self.index_values.spans:
+            self.index_values.written(writes)
         self._emit((E.OP, self.agent(dev, _cuda_raw_stream(dev)), f"triton:{kernel.__name__}", tuple(reads),
                     tuple(writes), self.stacks.capture(self.buffer.events, 2), self.ctx, 0))
 
@@ -1303,6 +1308,8 @@ class TorchTracer:
         dev, reads, writes = acc
         a = self.agent(dev, _cuda_raw_stream(dev))
         self.saw_cuda = True
+        if self.index_values.spans:
+            self.index_values.written(writes)
         self._emit((E.OP, a, "CUDAGraph.replay", reads, writes, self.stacks.capture(self.buffer.events, 2),
                     self.ctx, 0))
 
@@ -1476,6 +1483,8 @@ class TorchTracer:
                 continue
             if r is not None:
                 (writes if is_write else reads).append(r)
+        if plan.indexed is not None and dev >= 0:
+            self._index_rows(plan, args, kwargs, reads, writes)
         if dev < 0:
             if not plan.fresh_outputs:
                 if not reads and not writes:
@@ -1541,6 +1550,15 @@ class TorchTracer:
         self.saw_cuda = True
         if cpu_written and self.staged.kept:
             self.staged.forget(writes)
+        known = self.index_values
+        if known.spans:
+            known.written(writes)
+        if cpu is not None and plan.is_copy and not cpu_written:  # a copy from the host: index values seen
+            dst = out if plan.fresh_outputs else args[0] if args else kwargs.get("self")
+            if isinstance(dst, _Tensor) and dst.is_cuda:
+                known.learn_copy(dst, cpu)
+        elif plan.arange and out.is_cuda:
+            known.learn_arange(out, args, kwargs)
         op = (_OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
         inner = len(evs) - mark
         if not inner:
@@ -1562,6 +1580,20 @@ class TorchTracer:
         if len(evs) >= self.buffer.batch:
             self.buffer.flush()
         return out
+
+    def _index_rows(self, plan, args, kwargs, reads, writes) -> None:
+        """An index-addressed op whose indices' values are known touches only the rows they name: its indexed
+        tensor's whole range (in ``reads`` or ``writes``) becomes those rows' ranges."""
+        found = indexed_rows(plan.indexed, args, kwargs, self.index_values)
+        if found is None:
+            return
+        t, rows = found
+        whole = self._range_in(t, t.get_device())
+        for ranges in (writes, reads):
+            for i, r in enumerate(ranges):
+                if r == whole:
+                    ranges[i:i + 1] = rows
+                    return
 
     def _engine_op(self, evs, plan, args, kwargs, out, a, stack) -> None:
         """An op in a thread of PyTorch's autograd engine. The engine hands the gradients a backward node makes
@@ -1715,9 +1747,9 @@ class TorchTracer:
 
     def _name_collective_stream(self, evs, agent: int) -> None:
         """Reports call the stream a collective ran on "collective stream" (it is the library's own)."""
-        if agent in self._collective_agents:
+        if agent in self.streams.collective:
             return
-        self._collective_agents.add(agent)
+        self.streams.collective.add(agent)
         for key, a in self.agent_of.items():
             if a == agent:
                 evs.append((E.STREAM, agent, key[0], key[1], self.streams.flags_of.get(key, 0), "collective stream"))
