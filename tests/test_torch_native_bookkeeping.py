@@ -130,3 +130,25 @@ def test_a_storage_resize_is_located_at_the_user_s_call(tracer, monkeypatch):
     (op,) = [ev for ev in evs if ev[0] == E.OP]
     frames = next(ev[2] for ev in evs if ev[0] == E.DEF_STACK and ev[1] == op[5])
     assert frames[0][:2] == (__file__, line)
+
+
+def test_an_engine_callback_between_nodes_is_named_with_its_backward_call(tracer, monkeypatch):
+    """An op in an autograd engine thread with no node running is a callback queued for the end of the backward
+    pass (DDP's reducer copying buckets into ``.grad``): its stack says so, then where ``backward()`` was called;
+    in a thread the engine never ran a node in, there is nothing to say."""
+    import threading
+
+    from streamsan.findings import ENGINE_FRAME, location
+    from streamsan.tracers import torch as tt
+
+    monkeypatch.setattr(tt, "_current_autograd_node", lambda: None)
+    tracer._backward_site = (("/src/train.py", 67, "main"),)
+    assert tracer._engine_stack([]) == 0
+    tracer._engine_threads.add(threading.get_ident())
+    evs = []
+    sid = tracer._engine_stack(evs)
+    (define,) = [ev for ev in evs if ev[0] == E.DEF_STACK and ev[1] == sid]
+    frames = tuple(tuple(f) for f in define[2])
+    assert frames == ((ENGINE_FRAME, 0, tt.ENGINE_CALLBACK), ("/src/train.py", 67, "main"))
+    assert location(frames, "?") == "callback at the end of backward (backward() at /src/train.py:67)"
+    assert sid not in tracer._engine_sids  # (not a backward node: its outputs are no gradients handed on)

@@ -99,6 +99,7 @@ def _direct_call(func):
     return func
 
 
+_DisableTorchDispatch = torch._C._DisableTorchDispatch  # (thread-local: dispatch modes skipped in its block)
 _OVERLOAD_CALL = getattr(getattr(torch._ops, "OpOverload", None), "__call__", None)
 
 
@@ -943,13 +944,17 @@ class TorchTracer:
 
     def _engine_stack(self, events) -> int:
         """The stack of an op run by PyTorch's autograd engine in a thread without Python frames: the backward
-        node it runs, then where ``backward()`` was called."""
+        node it runs, then where ``backward()`` was called. In an engine thread between nodes, the op is a callback
+        queued for the end of the backward pass (DDP's reducer copying reduced buckets into ``.grad``): named so."""
         node = _current_autograd_node() if _current_autograd_node is not None else None
+        site = self._backward_site
         if node is None:
-            return 0
+            if not site or _get_ident() not in self._engine_threads:
+                return 0
+            return self.stacks.synthetic(events, ("autograd", ENGINE_CALLBACK, site),
+                                         ((ENGINE_FRAME, 0, ENGINE_CALLBACK),) + site)
         self._engine_threads.add(_get_ident())
         name = node.name()
-        site = self._backward_site
         sid = self.stacks.synthetic(events, ("autograd", name, site), ((ENGINE_FRAME, 0, name),) + site)
         self._engine_sids.add(sid)
         return sid
@@ -1169,7 +1174,8 @@ class TorchTracer:
                 tracer.graphs.current = ([], [], tracer.tracing)
                 tracer.tracing = False
                 try:
-                    return begin(self, *a, **k)
+                    with _DisableTorchDispatch():  # (see graph_replay)
+                        return begin(self, *a, **k)
                 except BaseException:
                     tracer._end_capture(None)
                     raise
@@ -1181,12 +1187,16 @@ class TorchTracer:
                     tracer._end_capture(self)
 
             def graph_replay(self, *a, **k):
+                """The replay's own op. The ops PyTorch runs itself before a capture begins and before each replay
+                (the CUDA generators' seed and offset fills, the same memory for every graph) are its
+                bookkeeping, not the program's nor the graph's: unseen, in this thread only."""
                 if tracer.tracing and tracer.in_scope:
                     try:
                         tracer._replay(self)
                     except Exception as exc:
                         tracer._stop_on_bug(exc, "CUDAGraph.replay")
-                return replay(self, *a, **k)
+                with _DisableTorchDispatch():
+                    return replay(self, *a, **k)
 
             for name, orig, fn in (("capture_begin", begin, capture_begin), ("capture_end", end, capture_end),
                                    ("replay", replay, graph_replay)):
@@ -1923,6 +1933,7 @@ def _kept_alive_for(op) -> list:
     return [(E.RECORD_STREAM, r[0], r[1], agent, stack) for r in op[3] + op[4] if r[0] >= 0]  # device memory
 
 
+ENGINE_CALLBACK = "callback at the end of backward"
 COMPILE_NOTE = ("torch.compile: compiled functions run eagerly while streamsan's dispatch mode is active (Dynamo "
                 "does not compile under one), so their ops are checked one by one; the program's speed differs")
 GRAPH_NOTE = ("CUDA graphs: a replay is checked as one access, on the stream it runs on, of the memory its "

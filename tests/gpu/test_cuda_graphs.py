@@ -143,7 +143,52 @@ def graph_docs_example_is_clean():
     torch.cuda.synchronize()
 
 
+# ------------------------------------------------------------------ graphs replayed at once, one memory pool
+def _concurrent_heads(shared_pool):
+    """Two heads captured as graphs and replayed at once on two streams to overlap them. PyTorch's docs: graphs
+    may share a memory pool only if they never run concurrently; each capture frees its intermediates back to its
+    pool, and the second capture into a shared pool reuses them. Both replays also have PyTorch write the CUDA
+    generator's seed and offset before they run (the same memory for every graph): PyTorch's bookkeeping."""
+    h0, h1 = streams("head0", "head1")
+    xs = [torch.randn(256, 1024, device="cuda") for _ in range(2)]
+    pool = torch.cuda.graph_pool_handle() if shared_pool else None
+
+    def head(x):
+        h = torch.tanh(x * 2)
+        return (h * h + 1).softmax(-1)
+
+    graphs, outs = [], []
+    for x in xs:
+        g, out = _capture(lambda: head(x)) if not shared_pool else (torch.cuda.CUDAGraph(), None)
+        if shared_pool:
+            head(x)  # (the warm-up)
+            with torch.cuda.graph(g, pool=pool):
+                out = head(x)
+        graphs.append(g)
+        outs.append(out)
+    main = torch.cuda.current_stream()
+    total = torch.zeros((), device="cuda")
+    for _ in range(3):
+        for g, s in zip(graphs, (h0, h1)):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                g.replay()
+        for s in (h0, h1):
+            main.wait_stream(s)
+        total += outs[0].sum() + outs[1].sum()
+    torch.cuda.synchronize()
+
+
+def graph_pool_shared_by_concurrent_replays():
+    _concurrent_heads(shared_pool=True)
+
+
+def graph_pools_private_to_concurrent_replays():
+    _concurrent_heads(shared_pool=False)
+
+
 SCENARIOS = [
+    graph_pool_shared_by_concurrent_replays, graph_pools_private_to_concurrent_replays,
     sglang_graph_output_cloned_while_next_replay_writes, sglang_graph_output_guarded_by_event,
     llama_cpp_next_input_overwrites_replay_input, llama_cpp_copy_stream_waits_for_replay,
     onnxruntime_captured_h2d_buffer_refilled, onnxruntime_captured_h2d_after_sync,
@@ -151,6 +196,10 @@ SCENARIOS = [
 ]
 
 EXPECTED = {
+    "graph_pool_shared_by_concurrent_replays": [
+        ("device-device", "head0", "CUDAGraph.replay", "head1", "CUDAGraph.replay"),
+    ],
+    "graph_pools_private_to_concurrent_replays": [],
     "sglang_graph_output_cloned_while_next_replay_writes": [
         ("device-device", "prelm", "aten::clone", "sched", "CUDAGraph.replay"),
     ],
