@@ -1314,7 +1314,11 @@ static PyObject *Callback_vectorcall(PyObject *self, PyObject *const *argv, size
     if (kwnames != NULL || PyVectorcall_NARGS(nargsf) != (c->kind == CB_EVENT ? 2 : 1))
         return PyObject_Vectorcall(c->fallback, argv, nargsf, kwnames);
     PyObject *t = active_tracer(c);
-    if (t == Py_None) Py_RETURN_NONE;
+    if (t == Py_None) {
+        /* not tracing: an event record or wait may still be an edge of a CUDA graph being captured (Python's) */
+        if (c->kind == CB_EVENT) return PyObject_Vectorcall(c->fallback, argv, nargsf, NULL);
+        Py_RETURN_NONE;
+    }
     int rc = -1;
     if (t != NULL) {
         rc = c->kind == CB_FREE    ? on_free(c, t, argv[0])

@@ -173,6 +173,7 @@ class Analyzer:
             E.LABEL: self._label,
             E.EVENT_DELETE: self._event_delete,
             E.NOTE: self._note,
+            E.GRAPH: self._graph,
         }
 
     # ------------------------------------------------------------------ feeding
@@ -365,6 +366,30 @@ class Analyzer:
         if flags & E.OP_BLOCKING and a != HOST:
             self._host_learns(t)
             t[a] += 1
+
+    def _graph(self, ev) -> None:
+        """The nodes of one captured CUDA graph: checked against each other only, by an analysis of their own (the
+        graph's dependencies are the capture's stream order and event edges; the program's order around the graph
+        is its replays' business). Its findings, races inside the graph, join this analysis's, each named with
+        the memory block now at its place."""
+        sub = Analyzer()
+        sub.stacks, sub.contexts = self.stacks, self.contexts
+        for a, info in self.agents.items():
+            if a != HOST:
+                sub._declare(a, info.device, info.handle, info.flags, info.name)
+        handlers = sub._handlers
+        for node in ev[1]:
+            sub.seq = self.seq
+            handlers[node[0]](node)
+        for fp, f in sub.findings.items():
+            mine = self.findings.get(fp)
+            if mine is not None:
+                mine.count += f.count
+                continue
+            f.block = self._block_at(f.space, f.lo)
+            self.findings[fp] = f
+        for level, text in sub.notes:
+            self._note((E.NOTE, level, text))
 
     def _space(self, space: int) -> ShadowSpace:
         sh = self.shadow.get(space)

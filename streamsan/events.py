@@ -38,6 +38,11 @@ RECORD_STREAM  (11, space, start, agent, stack) the block at start is also used 
 LABEL          (12, space, start, size, label)  a human name for memory, e.g. "cache.layers[3].keys"
 EVENT_DELETE   (13, event)
 NOTE           (14, level, text)                something the tracer could not analyze ("warning", "info")
+GRAPH          (15, nodes)                      the nodes of one captured CUDA graph on two or more streams, as
+               their capture issued them: OP, EVENT_RECORD and EVENT_WAIT events (the capture's stream order and
+               event edges are the graph's dependencies). They are checked against each other only, on clocks of
+               their own: a race between them happens inside the graph, at every replay. (Each replay is also an
+               OP, ``CUDAGraph.replay``, with all their accesses, in the program's own order.)
 =============  ==========================================================================================
 """
 
@@ -77,10 +82,11 @@ RECORD_STREAM = 11
 LABEL = 12
 EVENT_DELETE = 13
 NOTE = 14
+GRAPH = 15
 
 KIND_NAMES = (
     "DEF_STACK", "DEF_CONTEXT", "STREAM", "EVENT_RECORD", "EVENT_WAIT", "STREAM_SYNC", "EVENT_SYNC",
-    "DEVICE_SYNC", "OP", "ALLOC", "FREE", "RECORD_STREAM", "LABEL", "EVENT_DELETE", "NOTE",
+    "DEVICE_SYNC", "OP", "ALLOC", "FREE", "RECORD_STREAM", "LABEL", "EVENT_DELETE", "NOTE", "GRAPH",
 )
 
 # STREAM flags
@@ -157,6 +163,10 @@ def note(level: str, text: str) -> tuple:
     return (NOTE, level, text)
 
 
+def graph(nodes) -> tuple:
+    return (GRAPH, tuple(nodes))
+
+
 def rng(space: int, start: int, size: int, layout=None) -> tuple:
     """A byte range; ``layout = (itemsize, sizes, strides)`` for a view that is not dense."""
     return (space, start, size) if layout is None else (space, start, size, layout)
@@ -204,7 +214,11 @@ _SHAPES = {
     LABEL: "iiis",
     EVENT_DELETE: "i",
     NOTE: "ss",
+    GRAPH: "g",
 }
+
+# the kinds a GRAPH event's nodes may have
+GRAPH_NODE_KINDS = (OP, EVENT_RECORD, EVENT_WAIT)
 
 
 # trailing fields an event may leave out
@@ -247,6 +261,15 @@ def validate(ev) -> tuple:
                 _check_range(r)
             value = tuple((r[0], r[1], r[2]) if len(r) == 3 or r[3] is None
                           else (r[0], r[1], r[2], _layout_tuple(r[3])) for r in value)
+        elif code == "g":
+            if not isinstance(value, (list, tuple)):
+                raise BadEvent("GRAPH: expected a list of nodes")
+            nodes = []
+            for node in value:
+                if not isinstance(node, (list, tuple)) or not node or node[0] not in GRAPH_NODE_KINDS:
+                    raise BadEvent("GRAPH nodes are OP, EVENT_RECORD or EVENT_WAIT events")
+                nodes.append(validate(node))
+            value = tuple(nodes)
         elif code in "fx":
             if not isinstance(value, (list, tuple)) or not all(
                 isinstance(f, (list, tuple)) and len(f) == 3 and isinstance(f[0], str) and _is_int(f[1])

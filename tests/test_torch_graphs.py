@@ -35,7 +35,7 @@ def traced(monkeypatch):
 def test_a_capture_keeps_its_accesses_for_the_replay(traced):
     tracer, analyzer = traced
     g = Graph()
-    tracer.graphs.current = ([(0, 0x1000, 64), (0, 0x1020, 64)], [(0, 0x2000, 64), (E.PINNED, 0x9000, 8)], True)
+    tracer.graphs.current = ([(0, 0x1000, 64), (0, 0x1020, 64)], [(0, 0x2000, 64), (E.PINNED, 0x9000, 8)], True, [])
     tracer.tracing = False
     tracer._end_capture(g)
     assert tracer.tracing is True and tracer.graphs.current is None
@@ -45,7 +45,7 @@ def test_a_capture_keeps_its_accesses_for_the_replay(traced):
 def test_a_replay_is_one_op_on_the_current_stream(traced):
     tracer, analyzer = traced
     g = Graph()
-    tracer.graphs.current = ([(0, 0x1000, 64)], [(0, 0x2000, 64)], True)
+    tracer.graphs.current = ([(0, 0x1000, 64)], [(0, 0x2000, 64)], True, [])
     tracer._end_capture(g)
     other = tracer.agent(0, OTHER)
     tracer.buffer.events.append(E.op(other, "aten::fill_.Scalar", writes=[(0, 0x1000, 64)]))
@@ -68,7 +68,7 @@ def test_a_graph_captured_untraced_is_replayed_with_a_note(traced):
 
 def test_tracing_stopped_by_a_bug_during_capture_stays_stopped(traced):
     tracer, analyzer = traced
-    tracer.graphs.current = ([], [], True)
+    tracer.graphs.current = ([], [], True, [])
     tracer.tracing = False
     tracer._stop_on_bug(RuntimeError("boom"), "somewhere")
     tracer._end_capture(Graph())
@@ -82,7 +82,7 @@ def test_host_ops_on_pinned_memory_run_now_during_a_capture(traced):
     st = host.untyped_storage()
     tracer.buffer.events.append(E.alloc(E.PINNED, st.data_ptr(), st.nbytes(), E.HOST))
     tracer.pinned[st.data_ptr()] = st.nbytes()
-    tracer.graphs.current = ([], [], True)
+    tracer.graphs.current = ([], [], True, [])
     tracer.tracing = False
     host.add_(1)
     torch.ones(4).mul_(2)  # pageable: nothing
@@ -91,3 +91,88 @@ def test_host_ops_on_pinned_memory_run_now_during_a_capture(traced):
     assert cap[:2] == ([], [])
     ops = [(ev[1], ev[2], ev[4]) for ev in tracer.buffer.events if ev[0] == E.OP]
     assert ops == [(E.HOST, "aten::add_.Tensor", ((E.PINNED, st.data_ptr(), 64),))]
+
+
+SIDE = 0x6000
+
+
+def _fork_join_capture(tracer, monkeypatch, fork_after_producer):
+    """A capture that forks a side stream from the capture stream (an event recorded there, waited for on the
+    side), runs a consumer on the side and joins back: as the callbacks and the captured ops report it. The
+    producer writes 0x2000 on the capture stream; the consumer reads it on the side stream."""
+    current = {"stream": REPLAY_STREAM}
+    monkeypatch.setattr(T, "_cuda_raw_stream", lambda dev: current["stream"])
+    tracer.graphs.current = ([], [], True, [])
+    tracer.tracing = False
+    cap = tracer.graphs.current
+    capture, side = tracer.agent(0, REPLAY_STREAM), tracer.agent(0, SIDE)
+    monkeypatch.setattr(tracer, "_agent_for_handle", lambda s: {REPLAY_STREAM: capture, SIDE: side}[s])
+
+    def fork():
+        tracer._on_event_record(1, REPLAY_STREAM)
+        tracer._on_event_wait(1, SIDE)
+
+    if not fork_after_producer:
+        fork()
+    tracer._captured(cap, 0, "aten::sigmoid_", [], [(0, 0x2000, 64)])
+    if fork_after_producer:
+        fork()
+    current["stream"] = SIDE
+    tracer._captured(cap, 0, "aten::mul.out", [(0, 0x2000, 64)], [(0, 0x3000, 64)])
+    current["stream"] = REPLAY_STREAM
+    tracer._on_event_record(2, SIDE)  # the join
+    tracer._on_event_wait(2, REPLAY_STREAM)
+    tracer._captured(cap, 0, "aten::add_.Tensor", [(0, 0x3000, 64)], [(0, 0x4000, 64)])
+    tracer._end_capture(Graph())
+    return capture, side
+
+
+@pytest.mark.parametrize("fork_after_producer", [False, True], ids=["forked-too-early", "forked-after"])
+def test_a_race_between_nodes_of_one_graph(traced, monkeypatch, fork_after_producer):
+    """A race inside a graph happens at every replay, wherever the graph is replayed: found at the capture, between
+    the captured ops, with the capture's stream order and event edges as the graph's dependencies."""
+    tracer, analyzer = traced
+    capture, side = _fork_join_capture(tracer, monkeypatch, fork_after_producer)
+    graphs = [ev for ev in tracer.buffer.events if ev[0] == E.GRAPH]
+    assert [[n[0] for n in g[1]] for g in graphs] == [[E.EVENT_RECORD, E.EVENT_WAIT, E.OP, E.OP, E.EVENT_RECORD,
+                                                       E.EVENT_WAIT, E.OP] if not fork_after_producer else
+                                                      [E.OP, E.EVENT_RECORD, E.EVENT_WAIT, E.OP, E.EVENT_RECORD,
+                                                       E.EVENT_WAIT, E.OP]]
+    tracer.stop()
+    analyzer.finish()
+    got = [(f.kind, f.previous.agent, f.previous.name, f.current.agent, f.current.name)
+           for f in analyzer.sorted_findings()]
+    assert got == ([] if fork_after_producer else [(DEVICE_DEVICE, capture, "aten::sigmoid_", side, "aten::mul.out")])
+    assert all(analyzer.contexts[f.current.ctx] == T.GRAPH_CONTEXT for f in analyzer.sorted_findings())
+
+
+def test_a_graph_on_one_stream_adds_no_event(traced):
+    tracer, analyzer = traced
+    tracer.graphs.current = ([], [], True, [])
+    tracer.tracing = False
+    cap = tracer.graphs.current
+    tracer._captured(cap, 0, "aten::fill_.Scalar", [], [(0, 0x2000, 64)])
+    tracer._captured(cap, 0, "aten::mul.Tensor", [(0, 0x2000, 64)], [(0, 0x3000, 64)])
+    tracer._end_capture(Graph())
+    assert [ev for ev in tracer.buffer.events if ev[0] == E.GRAPH] == []
+
+
+def test_graph_nodes_are_checked_against_each_other_only():
+    """The nodes' accesses stay out of the program's own analysis (each replay carries them there), and the
+    program's accesses before the graph do not race with them."""
+    a = Analyzer()
+    a.feed([E.stream(1, 0, 0x10), E.stream(2, 0, 0x20),
+            E.op(2, "aten::fill_.Scalar", writes=[(0, 0x2000, 64)]),  # the program, unordered with stream 1
+            E.graph([E.op(1, "aten::mul.Tensor", reads=[(0, 0x2000, 64)], writes=[(0, 0x3000, 64)]),
+                     E.event_record(5, 1), E.event_wait(5, 2),
+                     E.op(2, "aten::add.Tensor", reads=[(0, 0x3000, 64)], writes=[(0, 0x4000, 64)])]),
+            E.op(1, "aten::cos.default", reads=[(0, 0x3000, 64)])])  # the graph's writes are not the program's
+    a.finish()
+    assert a.sorted_findings() == []
+
+
+def test_a_graph_event_is_validated():
+    ev = E.validate([E.GRAPH, [[E.OP, 1, "aten::mul.Tensor", [[0, 4096, 64]], [], 0, 0, 0], [E.EVENT_RECORD, 5, 1, 0]]])
+    assert ev == (E.GRAPH, ((E.OP, 1, "aten::mul.Tensor", ((0, 4096, 64),), (), 0, 0, 0), (E.EVENT_RECORD, 5, 1, 0)))
+    with pytest.raises(E.BadEvent, match="GRAPH nodes"):
+        E.validate([E.GRAPH, [[E.ALLOC, 0, 4096, 64, 1, 0, 0, ""]]])

@@ -171,7 +171,7 @@ def test_a_launch_during_graph_capture_is_kept_for_the_replays(tracer):
     tracer.patch_triton(module)
     k = launchable(cls, "def fill(out_ptr):\n    tl.store(out_ptr, 1.0)\n")
     out = cuda_like(4)
-    tracer.graphs.current = ([], [], True)
+    tracer.graphs.current = ([], [], True, [])
     tracer.tracing = False
     k.run(out, grid=(1,), warmup=False)
     cap = tracer.graphs.current

@@ -352,10 +352,10 @@ class _GpuTrace:
 
         torch._C._activate_gpu_trace()
 
-        def on(registry, name):
+        def on(registry, name, capturing=False):
             def callback(*args):
                 t = cls.active
-                if t is not None and t.tracing:
+                if t is not None and (t.tracing or capturing and t.graphs.current is not None):
                     try:
                         getattr(t, name)(*args)
                     except Exception:
@@ -387,8 +387,8 @@ class _GpuTrace:
                 except Exception:
                     _log_callback_error(gt.MemoryDeallocationCallbacks.name)
 
-        on_record = on(gt.EventRecordCallbacks, "_on_event_record")
-        on_wait = on(gt.EventWaitCallbacks, "_on_event_wait")
+        on_record = on(gt.EventRecordCallbacks, "_on_event_record", capturing=True)  # (also edges of a graph)
+        on_wait = on(gt.EventWaitCallbacks, "_on_event_wait", capturing=True)
         cls.python_callbacks = (on_alloc, on_free, on_record, on_wait)
         ctracer = _c_tracer()
         if ctracer is not None:  # their common case in C
@@ -587,7 +587,9 @@ class GraphCaptures:
     __slots__ = ("current", "accesses")
 
     def __init__(self):
-        self.current = None  # while a graph is captured: (its reads, its writes, whether tracing was on)
+        # while a graph is captured: (its reads, its writes, whether tracing was on, its nodes: OP, EVENT_RECORD
+        # and EVENT_WAIT events in capture order)
+        self.current = None
         self.accesses = GraphAccesses()
 
 
@@ -774,10 +776,20 @@ class TorchTracer:
         return self.stacks.outside(self.buffer.events)
 
     def _on_event_record(self, e, s):
-        self._emit((E.EVENT_RECORD, e, self._agent_for_handle(s), self._callback_stack()))
+        ev = (E.EVENT_RECORD, e, self._agent_for_handle(s), self._callback_stack())
+        cap = self.graphs.current
+        if cap is not None and not self.tracing:  # an edge of the graph being captured
+            cap[3].append(ev)
+        else:
+            self._emit(ev)
 
     def _on_event_wait(self, e, s):
-        self._emit((E.EVENT_WAIT, e, self._agent_for_handle(s), self._callback_stack()))
+        ev = (E.EVENT_WAIT, e, self._agent_for_handle(s), self._callback_stack())
+        cap = self.graphs.current
+        if cap is not None and not self.tracing:
+            cap[3].append(ev)
+        else:
+            self._emit(ev)
 
     def _on_stream_sync(self, s):
         self._emit((E.STREAM_SYNC, self._agent_for_handle(s), self._callback_stack()))
@@ -1171,7 +1183,7 @@ class TorchTracer:
 
             def capture_begin(self, *a, **k):
                 tracer._note_once("graph", GRAPH_NOTE)
-                tracer.graphs.current = ([], [], tracer.tracing)
+                tracer.graphs.current = ([], [], tracer.tracing, [])
                 tracer.tracing = False
                 try:
                     with _DisableTorchDispatch():  # (see graph_replay)
@@ -1261,8 +1273,7 @@ class TorchTracer:
         cap = self.graphs.current
         if not self.tracing:
             if cap is not None:
-                cap[0].extend(reads)
-                cap[1].extend(writes)
+                self._captured(cap, dev, f"triton:{kernel.__name__}", reads, writes)
             return
         self.saw_cuda = True
         if self.index_values.spans:
@@ -1277,12 +1288,14 @@ class TorchTracer:
         cap, graphs.current = graphs.current, None
         if cap is None:
             return
-        reads, writes, was_tracing = cap
+        reads, writes, was_tracing, nodes = cap
         self.tracing = was_tracing and self.running and not self.stopped_on_bug
         dev = next((r[0] for r in writes + reads if r[0] >= 0), -1)
         if graph is None or dev < 0:
             return
         graphs.accesses.put(graph, dev, reads, writes)
+        if self.tracing and len({n[2] if n[0] != E.OP else n[1] for n in nodes}) > 1:  # nodes on several streams
+            self._emit((E.GRAPH, tuple(nodes)))
 
     def _dispatch_captured(self, func, types, args, kwargs):
         """An op while a CUDA graph is captured: on CUDA memory it becomes a node of the graph and does not run
@@ -1300,13 +1313,22 @@ class TorchTracer:
         if plan.fresh_outputs:
             self._outputs(out, writes)
         cap = self.graphs.current
-        if cap is not None and any(r[0] >= 0 for r in reads + writes):
-            cap[0].extend(reads)
-            cap[1].extend(writes)
+        dev = next((r[0] for r in reads + writes if r[0] >= 0), -1)
+        if cap is not None and dev >= 0:
+            self._captured(cap, dev, plan.name, reads, writes)
         elif reads or writes:
             self._emit((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes),
                         self.stacks.capture(self.buffer.events, 3), self.ctx, 0))
         return out
+
+    def _captured(self, cap, dev: int, name: str, reads, writes) -> None:
+        """An op captured into the graph ``cap`` on the stream current now: its accesses are the graph's (each
+        replay's), and it is one of the graph's nodes."""
+        cap[0].extend(reads)
+        cap[1].extend(writes)
+        ctx = self.ctx or self.buffer.context_id(GRAPH_CONTEXT)
+        cap[3].append((E.OP, self.agent(dev, _cuda_raw_stream(dev)), name, tuple(reads), tuple(writes),
+                       self.stacks.capture(self.buffer.events, 4), ctx, 0))
 
     def _replay(self, graph) -> None:
         """``graph.replay()``: one op on the replaying stream that accesses all its captured ops accessed (the
@@ -1937,8 +1959,10 @@ ENGINE_CALLBACK = "callback at the end of backward"
 COMPILE_NOTE = ("torch.compile: compiled functions run eagerly while streamsan's dispatch mode is active (Dynamo "
                 "does not compile under one), so their ops are checked one by one; the program's speed differs")
 GRAPH_NOTE = ("CUDA graphs: a replay is checked as one access, on the stream it runs on, of the memory its "
-              "captured aten ops touch; kernels captured outside aten ops (Triton, native extensions) and races "
-              "inside a graph are not analyzed")
+              "captured aten ops and Triton kernels touch, and ops captured on several streams against each other "
+              "(the capture's events are the graph's edges); kernels of native extensions captured into a graph "
+              "are not seen")
+GRAPH_CONTEXT = "captured in a CUDA graph: a race between its nodes happens at every replay"
 GRAPH_UNTRACKED = "CUDA graphs: a graph captured while streamsan was not tracing it is replayed unanalyzed"
 
 

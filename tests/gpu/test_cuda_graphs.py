@@ -187,7 +187,50 @@ def graph_pools_private_to_concurrent_replays():
     _concurrent_heads(shared_pool=False)
 
 
+# ------------------------------------------------------------------ a fork and join inside one capture
+def _fork_inside_capture(fork_early):
+    """A block whose capture forks a side stream off the capture stream (``side.wait_stream(cur)``: an event
+    edge of the graph) for a consumer and joins it back before the capture ends. Forked before the consumer's
+    input is produced, the side branch has no edge from the producer: a race inside the graph, at every replay,
+    although the capture succeeds. (The warm-up runs on one stream: the race is the graph's alone.)"""
+    capture, side = streams("capture", "side")
+    x = torch.randn(N, device="cuda")
+    h, gate, aux, out = (torch.empty(N, device="cuda") for _ in range(4))
+
+    def block(fork):
+        cur = torch.cuda.current_stream()
+        torch.mul(x, 2.0, out=h)
+        if fork and fork_early:
+            side.wait_stream(cur)
+        torch.sigmoid(h, out=gate)
+        if fork and not fork_early:
+            side.wait_stream(cur)
+        with torch.cuda.stream(side if fork else cur):
+            torch.mul(gate, h, out=aux)
+        torch.mul(h, 0.5, out=out)
+        if fork:
+            cur.wait_stream(side)
+        out.add_(aux)
+
+    block(fork=False)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=capture):
+        block(fork=True)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+
+
+def graph_branch_forked_before_its_input():
+    _fork_inside_capture(fork_early=True)
+
+
+def graph_branch_forked_after_its_input():
+    _fork_inside_capture(fork_early=False)
+
+
 SCENARIOS = [
+    graph_branch_forked_before_its_input, graph_branch_forked_after_its_input,
     graph_pool_shared_by_concurrent_replays, graph_pools_private_to_concurrent_replays,
     sglang_graph_output_cloned_while_next_replay_writes, sglang_graph_output_guarded_by_event,
     llama_cpp_next_input_overwrites_replay_input, llama_cpp_copy_stream_waits_for_replay,
@@ -196,6 +239,10 @@ SCENARIOS = [
 ]
 
 EXPECTED = {
+    "graph_branch_forked_before_its_input": [
+        ("device-device", "capture", "aten::sigmoid.out", "side", "aten::mul.out"),
+    ],
+    "graph_branch_forked_after_its_input": [],
     "graph_pool_shared_by_concurrent_replays": [
         ("device-device", "head0", "CUDAGraph.replay", "head1", "CUDAGraph.replay"),
     ],
