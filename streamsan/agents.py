@@ -25,6 +25,7 @@ class StreamRegistry:
         self.flags_of: dict[tuple[int, int], int] = {}
         self._next = 1  # agent ids are never reused (a forgotten handle's agent keeps its history)
         self._created_names: dict[str, list[int]] = {}  # name of a creation site -> handles given it, in order
+        self.named: set[tuple[int, int]] = set()  # (device, handle) of the streams that have a name
         self.collective: set[int] = set()  # agents collectives ran on (named "collective stream" once)
         # (re-entrant: a garbage collection inside _declare can run a callback that declares another stream)
         self._lock = threading.RLock()
@@ -59,6 +60,8 @@ class StreamRegistry:
             elif flags is None:
                 flags = 0
             self.flags_of[key] = flags
+            if name:
+                self.named.add(key)
             self.buffer.events.append((E.STREAM, a, device, handle, flags, name))
             return a
 
@@ -70,13 +73,21 @@ class StreamRegistry:
         with self._lock:
             a = self.agent_of.pop((device, handle), None)
             self.flags_of.pop((device, handle), None)
+            self.named.discard((device, handle))
             if a is not None and self.by_handle.get(handle) == a:
                 del self.by_handle[handle]
 
     def name(self, device: int, handle: int, name: str) -> None:
         """Give a stream a role name for reports (re-declares it with the same flags)."""
         a = self.agent(device, handle)
+        self.named.add((device, handle))
         self.buffer.events.append((E.STREAM, a, device, handle, self.flags_of.get((device, handle), 0), name))
+
+    def name_unnamed(self, device: int, handle: int, name: str) -> None:
+        """Name a stream that has no name yet (a library's own stream, by its role)."""
+        self.agent(device, handle)  # (a default stream is named when declared)
+        if (device, handle) not in self.named:
+            self.name(device, handle, name)
 
     def name_created(self, device: int, handle: int, name: str) -> None:
         """Name a stream just created after the expression its creating line assigns it to

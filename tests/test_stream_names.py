@@ -46,6 +46,21 @@ def test_streams_made_on_one_line_are_told_apart():
     assert names == [(0x10, "self.streams"), (0x20, "self.streams#2"), (0x10, "self.streams"), (0x30, "other")]
 
 
+def test_a_role_name_goes_only_to_streams_without_a_name():
+    """A CUDA graph's capture stream is named by its role unless the program named it (or it is a default stream,
+    named so), and a new stream that gets a forgotten stream's handle has no name yet."""
+    buf = EventBuffer()
+    reg = StreamRegistry(buf)
+    reg.name_created(0, 0x10, "self.capture")
+    for handle in (0x10, 0x20, 0):
+        reg.name_unnamed(0, handle, "graph capture stream")
+    reg.forget(0, 0x20)
+    reg.name_unnamed(0, 0x20, "graph capture stream")
+    names = [(ev[3], ev[5]) for ev in buf.events if ev[0] == E.STREAM and ev[5]]
+    assert names == [(0x10, "self.capture"), (0x20, "graph capture stream"), (0, "default"),
+                     (0x20, "graph capture stream")]
+
+
 def test_a_name_given_later_wins_in_the_report():
     from streamsan.analyzer import Analyzer
 

@@ -1187,7 +1187,11 @@ class TorchTracer:
                 tracer.tracing = False
                 try:
                     with _DisableTorchDispatch():  # (see graph_replay)
-                        return begin(self, *a, **k)
+                        out = begin(self, *a, **k)
+                    if tracer.graphs.current[2]:
+                        dev = _cuda_get_device()
+                        tracer.streams.name_unnamed(dev, _cuda_raw_stream(dev), CAPTURE_STREAM)
+                    return out
                 except BaseException:
                     tracer._end_capture(None)
                     raise
@@ -1962,6 +1966,7 @@ GRAPH_NOTE = ("CUDA graphs: a replay is checked as one access, on the stream it 
               "captured aten ops and Triton kernels touch, and ops captured on several streams against each other "
               "(the capture's events are the graph's edges); kernels of native extensions captured into a graph "
               "are not seen")
+CAPTURE_STREAM = "graph capture stream"  # the name of a capture's stream that has none (torch.cuda.graph's own)
 GRAPH_CONTEXT = "captured in a CUDA graph: a race between its nodes happens at every replay"
 GRAPH_UNTRACKED = "CUDA graphs: a graph captured while streamsan was not tracing it is replayed unanalyzed"
 
