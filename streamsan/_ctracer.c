@@ -43,14 +43,14 @@ static PyObject *s_tracing, *s_plans, *s_buffer, *s_events, *s_ctx, *s_agent_of,
     *s_untyped_storage, *s_range_in, *s_outputs, *s_place, *s_fill_alloc_sizes, *s_engine_op, *s_flush, *s_agent,
     *s_stop_on_bug, *s_fast, *s_pin_memory, *s_kind, *s_ids, *s_classify, *s_define, *s_no_frames, *s_key_users,
     *s_max_key, *s_device, *s_agent_for_handle, *s_dtype, *s_shape, *s_stride, *s_element_size, *s_in_scope,
-    *s_index_values, *s_spans, *s_written;
+    *s_index_values, *s_spans, *s_values_after;
 
 typedef struct {
     PyObject_HEAD
     PyObject *tracer;
     /* the tracer's attributes that never change, read once: */
     PyObject *buffer, *agent_of, *stacks, *kinds, *ids, *engine_threads, *plans;
-    PyObject *index_values, *index_spans; /* tracer.index_values and its spans (a list changed only in place) */
+    PyObject *index_spans; /* tracer.index_values.spans (a list changed only in place) */
     long key_users, max_key;
     Py_ssize_t batch; /* buffer.batch (set once, when the buffer is made) */
     int saw_cuda;     /* whether this dispatch has set tracer.saw_cuda (which nothing sets back) */
@@ -675,9 +675,11 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
         if (PyObject_SetAttr(tracer, s_saw_cuda, Py_True) < 0) goto error;
         d->saw_cuda = 1;
     }
-    if (PyList_GET_SIZE(d->index_spans) > 0 && touches_spans(d->index_spans, writes)) {
-        /* known index values the op may overwrite: forgotten (TorchTracer._dispatch does the same) */
-        PyObject *r = PyObject_CallMethodOneArg(d->index_values, s_written, writes);
+    if (PyList_GET_SIZE(d->index_spans) > 0 &&
+        (touches_spans(d->index_spans, writes) || touches_spans(d->index_spans, reads))) {
+        /* an op on known index values: TorchTracer._values_after, as _dispatch calls it */
+        PyObject *argv[7] = {tracer, plan, args, kwargs != NULL ? kwargs : Py_None, out, reads, writes};
+        PyObject *r = PyObject_VectorcallMethod(s_values_after, argv, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         if (r == NULL) goto error;
         Py_DECREF(r);
     }
@@ -946,18 +948,20 @@ static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->tracer, tracer);
     Py_XSETREF(self->fallback, fb);
     Py_XSETREF(self->self_, mode);
-    PyObject *users = NULL, *max_key = NULL;
+    PyObject *users = NULL, *max_key = NULL, *known = NULL;
     if (read_attr(tracer, s_buffer, &self->buffer, 0) < 0 || read_attr(tracer, s_agent_of, &self->agent_of, 1) < 0 ||
         read_attr(tracer, s_stacks, &self->stacks, 0) < 0 || read_attr(self->stacks, s_kind, &self->kinds, 1) < 0 ||
         read_attr(self->stacks, s_ids, &self->ids, 1) < 0 ||
         read_attr(tracer, s_engine_threads, &self->engine_threads, 2) < 0 ||
         read_attr(tracer, s_plans, &self->plans, 1) < 0 || read_attr(self->stacks, s_key_users, &users, 0) < 0 ||
-        read_attr(self->stacks, s_max_key, &max_key, 0) < 0 ||
-        read_attr(tracer, s_index_values, &self->index_values, 0) < 0 ||
-        read_attr(self->index_values, s_spans, &self->index_spans, 0) < 0) {
+        read_attr(self->stacks, s_max_key, &max_key, 0) < 0 || read_attr(tracer, s_index_values, &known, 0) < 0 ||
+        read_attr(known, s_spans, &self->index_spans, 0) < 0) {
         Py_XDECREF(users);
+        Py_XDECREF(max_key);
+        Py_XDECREF(known);
         return -1;
     }
+    Py_DECREF(known);
     self->key_users = PyLong_AsLong(users);
     self->max_key = PyLong_AsLong(max_key);
     Py_DECREF(users);
@@ -992,7 +996,7 @@ static const Py_ssize_t dispatch_fields[] = {
     offsetof(Dispatch, buffer), offsetof(Dispatch, agent_of), offsetof(Dispatch, stacks),
     offsetof(Dispatch, kinds), offsetof(Dispatch, ids), offsetof(Dispatch, engine_threads),
     offsetof(Dispatch, plans), offsetof(Dispatch, tracer), offsetof(Dispatch, fallback), offsetof(Dispatch, self_),
-    offsetof(Dispatch, index_values), offsetof(Dispatch, index_spans), -1};
+    offsetof(Dispatch, index_spans), -1};
 
 static PyObject *Dispatch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Dispatch *self = (Dispatch *)type->tp_alloc(type, 0);
@@ -1452,7 +1456,7 @@ PyMODINIT_FUNC PyInit__ctracer(void) {
     INTERN(s_batch, "batch");
     INTERN(s_index_values, "index_values");
     INTERN(s_spans, "spans");
-    INTERN(s_written, "written");
+    INTERN(s_values_after, "_values_after");
     INTERN(s_engine_threads, "_engine_threads");
     INTERN(s_stacks, "stacks");
     INTERN(s_nbytes, "nbytes");

@@ -70,8 +70,35 @@ def test_a_write_over_the_span_forgets_it():
     assert known.values_of(buf) == list(range(8))
     known.written([(1, p, 8)])  # another device
     assert known.values_of(buf) == list(range(8))
-    known.written([(0, p + 56, 8)])
-    assert known.values_of(buf) is None and known.spans == []
+    known.written([(0, p + 56, 8)])  # the last element
+    assert known.values_of(buf) is None and known.values_of(buf[:7]) == list(range(7))
+    known.written([(0, p, 64)])
+    assert known.spans == []
+
+
+def test_a_write_over_part_of_the_span_keeps_the_rest():
+    """vLLM's persistent slot mapping: copied from the host, then its tail filled with -1 on the device."""
+    known = IndexValues()
+    buf = like(torch.zeros(8, dtype=torch.int64))
+    known.learn(buf, list(range(8)))
+    p = buf.data_ptr()
+    known.written([(0, p + 3 * 8, 2 * 8)])  # elements 3 and 4
+    assert known.values_of(buf[:3]) == [0, 1, 2] and known.values_of(buf[5:]) == [5, 6, 7]
+    assert known.values_of(buf[2:6]) is None
+
+
+@pytest.mark.parametrize("data, values", [
+    ([[1, 2], [3, 4]], [1, 2, 3, 4]),
+    (torch.tensor([5, 6]), [5, 6]),
+    (pytest.importorskip("numpy").arange(3), [0, 1, 2]),
+    ([1.5, 2.0], None),  # not integers
+])
+def test_values_of_tensor_data(data, values):
+    known = IndexValues()
+    n = len(values) if values else 2
+    out = like(torch.zeros(n, dtype=torch.int64))
+    known.learn_data(out, data)
+    assert known.values_of(out) == values
 
 
 def test_another_storage_at_the_same_address_is_not_the_learned_one():
@@ -106,9 +133,9 @@ def traced(monkeypatch):
     monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: current["stream"])
     tracer.tracing = True
 
-    def dispatch(op, *args, stream=COMPUTE):
+    def dispatch(op, *args, stream=COMPUTE, **kwargs):
         current["stream"] = stream
-        return tracer._dispatch(op, args, {})
+        return tracer._dispatch(op, args, kwargs)
 
     yield dispatch, analyzer, tracer
     tracer.tracing = False
@@ -120,10 +147,10 @@ def findings(analyzer, tracer):
     return [(f.kind, f.previous.name, f.current.name) for f in analyzer.sorted_findings()]
 
 
-def staged(dispatch, values):
+def staged(dispatch, values, stream=COMPUTE):
     """A device index tensor filled by a copy from the host (on the compute stream)."""
     idx = like(torch.zeros(len(values), dtype=torch.int64))
-    dispatch(aten.copy_.default, idx, torch.tensor(values))
+    dispatch(aten.copy_.default, idx, torch.tensor(values), stream=stream)
     return idx
 
 
@@ -174,6 +201,34 @@ def test_indices_made_on_the_device_are_unknown(traced):
     dispatch(aten.index_copy_.default, cache, 0, like(torch.tensor([9])), like(torch.ones(1, 4)), stream=LOAD)
     dispatch(aten.index_select.default, cache, 0, staged(dispatch, [0]))
     assert findings(analyzer, tracer) == [(DEVICE_DEVICE, "aten::index_copy_", "aten::index_select")]
+
+
+def test_indices_computed_on_the_device_from_known_ones_are_known(traced):
+    """Slots made on the device as block * BLOCK + offset from a block table and offsets copied from the host, then
+    converted with ``.long()`` and concatenated: the tracer runs the same ops on the host values it knows."""
+    dispatch, analyzer, tracer = traced
+    cache = like(torch.zeros(64, 4))
+    blocks = staged(dispatch, [3, 1], stream=LOAD)
+    offsets = like(torch.zeros(2, dtype=torch.int32))
+    dispatch(aten.copy_.default, offsets, torch.tensor([5, 6], dtype=torch.int32), stream=LOAD)
+    base = dispatch(aten.mul.Tensor, blocks, torch.tensor(8), stream=LOAD)
+    wide = dispatch(aten._to_copy.default, offsets, dtype=torch.int64, stream=LOAD)
+    slots = dispatch(aten.add.Tensor, base, wide, stream=LOAD)
+    more = dispatch(aten.cat.default, [slots, staged(dispatch, [40], stream=LOAD)], stream=LOAD)
+    assert tracer.index_values.values_of(more) == [29, 14, 40]
+    dispatch(aten.index_copy_.default, cache, 0, more, like(torch.ones(3, 4)), stream=LOAD)
+    dispatch(aten.index_select.default, cache, 0, staged(dispatch, [0, 15, 28, 30, 41]))
+    assert findings(analyzer, tracer) == []
+    dispatch(aten.index_select.default, cache, 0, staged(dispatch, [14]))
+    assert findings(analyzer, tracer) == [(DEVICE_DEVICE, "aten::index_copy_", "aten::index_select")]
+
+
+def test_a_fill_of_known_values_is_known(traced):
+    dispatch, analyzer, tracer = traced
+    idx = staged(dispatch, [1, 2, 3, 4])
+    dispatch(aten.fill_.Scalar, idx[2:], -1)
+    assert tracer.index_values.values_of(idx) is None  # (two spans now)
+    assert tracer.index_values.values_of(idx[:2]) == [1, 2] and tracer.index_values.values_of(idx[2:]) == [-1, -1]
 
 
 def test_an_embedding_reads_the_rows_of_its_ids(traced):

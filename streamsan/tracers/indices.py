@@ -4,10 +4,12 @@
 name, but the indices live in device memory, and reading them would synchronize. Without them such an op touches
 its whole tensor, so two streams filling and reading disjoint rows of one paged KV cache look like a race. Many
 index tensors come from where the tracer can see their values on the host: a copy from host memory (the tracer
-reads the source's values at the copy, in host memory, as the copy will) or ``torch.arange``. :class:`IndexValues`
-keeps those values per device span until a traced op writes the span or its storage dies; :class:`IndexedOp` says
-which argument of an op is addressed by which index, and :func:`row_ranges` turns index values into the ranges of
-the rows they name.
+reads the source's values at the copy, in host memory, as the copy will), ``torch.tensor(data, device=...)``, or
+``torch.arange``; and many are made from those by a few device ops (``.long()``, ``cat``, ``block * size + offset``,
+``table[rows]``, ``fill_``), whose results the tracer computes on the host from the values it knows (:data:`DERIVED`).
+:class:`IndexValues` keeps those values per device span until a traced op writes the span or its storage dies;
+:class:`IndexedOp` says which argument of an op is addressed by which index, and :func:`row_ranges` turns index
+values into the ranges of the rows they name.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ MAX_SPANS = 64
 MAX_RUNS = 64
 
 _tolist = torch.Tensor.tolist  # (the tracer patches Tensor.tolist into a host read; its own reads are not)
+_DisableTorchDispatch = torch._C._DisableTorchDispatch
+
+# Device ops whose integer results the tracer computes on the host, by running the same op on host copies of
+# inputs whose values it knows (base names; deterministic ops only, no out= overloads).
+DERIVED = frozenset({
+    "_to_copy", "clone", "cat", "add", "add_", "sub", "sub_", "mul", "mul_", "remainder", "remainder_",
+    "floor_divide", "floor_divide_", "div", "div_", "neg", "index", "index_select", "repeat_interleave", "cumsum",
+    "flip", "minimum", "maximum", "clamp", "clamp_", "fill_", "copy_",
+})
 
 
 class IndexedOp:
@@ -97,7 +108,7 @@ class IndexValues:
             storage = weakref.ref(t.untyped_storage())
         except TypeError:
             return
-        if len(self._known) >= MAX_SPANS:
+        while len(self._known) >= MAX_SPANS:
             self._drop(0)
         self._known.append(_Known(space, lo, hi, t.dtype, values, storage))
         self.spans.append((space, lo, hi))
@@ -108,6 +119,62 @@ class IndexValues:
         if (dst.dtype in INDEX_DTYPES and src.dtype in INDEX_DTYPES + (torch.int16, torch.uint8, torch.int8)
                 and dst.numel() == src.numel() <= MAX_VALUES and dst.is_contiguous()):
             self.learn(dst, _flat(_tolist(src), src.dim()))
+
+    def learn_data(self, out, data) -> None:
+        """``torch.tensor(data, device=...)`` / ``torch.as_tensor`` made CUDA tensor ``out`` from host ``data`` (a
+        nest of lists of integers, a NumPy array, a CPU tensor)."""
+        if out.dtype not in INDEX_DTYPES or out.numel() > MAX_VALUES or not out.is_contiguous():
+            return
+        try:
+            if isinstance(data, torch.Tensor):
+                if not data.is_cpu:
+                    return
+                values = _flat(_tolist(data), data.dim())
+            elif hasattr(data, "ravel") and hasattr(data, "dtype"):  # a NumPy array
+                values = data.ravel().tolist()
+            else:
+                values = list(_ints(data))
+        except (TypeError, ValueError, AttributeError):  # (floats, strings...)
+            return
+        if all(type(v) is int for v in values):
+            self.learn(out, values)
+
+    def derive(self, plan, args, kwargs):
+        """The values an op in :data:`DERIVED` gives, computed on the host from the known values of its CUDA
+        inputs (copies of them), or None when one is unknown or the op cannot run so."""
+        if plan.name.endswith("out"):  # (out= overloads)
+            return None
+        try:
+            if plan.base == "copy_":  # the destination's old values do not matter
+                dst, src = args[0], self._host(args[1])
+                return torch.empty(tuple(dst.shape), dtype=dst.dtype).copy_(src)
+            if plan.base == "fill_":
+                value = args[1]
+                value = self._host(value).item() if isinstance(value, torch.Tensor) else value
+                return torch.full(tuple(args[0].shape), value, dtype=args[0].dtype)
+            host_args = [self._host_arg(a) for a in args]
+            host_kwargs = {k: ("cpu" if k == "device" else self._host_arg(v)) for k, v in kwargs.items()}
+            with _DisableTorchDispatch():
+                return plan.func(*host_args, **host_kwargs)
+        except Exception:  # an unknown input, or an op the host copies do not suit
+            return None
+
+    def _host(self, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not t.is_cuda:
+            return t
+        values = self.values_of(t)
+        if values is None:
+            raise LookupError("unknown values")
+        return torch.tensor(list(values), dtype=t.dtype).reshape(tuple(t.shape))
+
+    def _host_arg(self, a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._host(x) for x in a)
+        if isinstance(a, torch.device):
+            return torch.device("cpu")
+        return self._host(a)
 
     def learn_arange(self, out, args, kwargs) -> None:
         """``torch.arange``'s output: start, start + step, ... (integers only)."""
@@ -141,20 +208,24 @@ class IndexValues:
         return None
 
     def written(self, ranges) -> None:
-        """Forget what ``ranges`` (an op's writes) may have overwritten."""
-        spans = self.spans
+        """Forget what ``ranges`` (an op's writes) may have overwritten: the values of the elements outside them
+        stay known."""
         for r in ranges:
-            space, lo, hi = r[0], r[1], r[1] + r[2]
-            for i in range(len(spans) - 1, -1, -1):
-                s = spans[i]
-                if s[0] == space and s[1] < hi and lo < s[2]:
-                    self._drop(i)
+            self._forget(r[0], r[1], r[1] + r[2])
 
     def _forget(self, space, lo, hi) -> None:
-        for i in range(len(self.spans) - 1, -1, -1):
-            s = self.spans[i]
-            k = self._known[i]
-            if (s[0] == space and s[1] < hi and lo < s[2]) or k.storage() is None:
+        known = self._known
+        for i in range(len(known) - 1, -1, -1):
+            k = known[i]
+            if k.space == space and k.lo < hi and lo < k.hi:
+                self._drop(i)
+                its = k.dtype.itemsize
+                for a, b in ((k.lo, lo), (hi, k.hi)):  # the parts before and after the written bytes
+                    if a < b and (a - k.lo) % its == 0 and (b - k.lo) % its == 0:
+                        part = _Known(space, a, b, k.dtype, k.values[(a - k.lo) // its:(b - k.lo) // its], k.storage)
+                        known.append(part)
+                        self.spans.append((space, a, b))
+            elif k.storage() is None:
                 self._drop(i)
 
     def _drop(self, i) -> None:
@@ -208,6 +279,20 @@ def _values(ix, known: IndexValues):
     if ix.is_cpu and ix.dtype in INDEX_DTYPES and ix.numel() <= MAX_VALUES:  # (the op copies it to the device)
         return _flat(_tolist(ix), ix.dim())
     return None
+
+
+def _ints(data):
+    """The integers of a nest of lists and tuples, in order."""
+    if isinstance(data, (list, tuple)):
+        for x in data:
+            yield from _ints(x)
+    else:
+        yield data.__index__()
+
+
+def flat_values(t) -> list:
+    """A host tensor's values, flattened row-major."""
+    return _flat(_tolist(t), t.dim())
 
 
 def _flat(values, ndim):

@@ -45,7 +45,7 @@ from ..agents import StreamRegistry
 from ..findings import ENGINE_FRAME
 from ..stacks import USER, StackTable, is_own_file
 from .graphs import GraphAccesses
-from .indices import INDEXED_OPS, IndexValues, indexed_rows
+from .indices import DERIVED, INDEX_DTYPES, INDEXED_OPS, IndexValues, flat_values, indexed_rows
 from .naming import creation_name
 from .pinned_numpy import attach, detach, pinned_class, strided_range
 from .staging import WRITE_SEEN, PinnedStaging
@@ -114,7 +114,8 @@ class OpPlan:
     """
 
     __slots__ = ("func", "call", "name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy",
-                 "pinning", "pinning_or_copy", "record_stream", "collective", "indexed", "arange", "fast")
+                 "pinning", "pinning_or_copy", "record_stream", "collective", "indexed", "arange", "base", "derives",
+                 "fast")
 
     def __init__(self, func):
         self.func = func
@@ -130,6 +131,8 @@ class OpPlan:
         self.record_stream = schema.name == "aten::record_stream"
         self.indexed = INDEXED_OPS.get(self.name)  # an index-addressed op (streamsan.tracers.indices)
         self.arange = base == "arange"
+        self.base = base
+        self.derives = base in DERIVED  # (its integer results are computed from known index values)
         factory = base.endswith(_FACTORY_SUFFIX) or base.startswith(_FACTORY_PREFIX)
         # c10d's in-place collectives carry no alias annotations: every tensor they take may be written
         inplace_collective = self.collective and base.endswith("_")
@@ -852,7 +855,33 @@ class TorchTracer:
         self._patch_outside_dispatch()
         self._patch_backward()
         self._patch_stream_creation()
+        self._patch_tensor_data()
         self._patch_blind_spots()
+
+    def _patch_tensor_data(self) -> None:
+        """``torch.tensor(data, device="cuda")`` and ``torch.as_tensor``: their copy to the device runs where the
+        dispatch mode does not look; the values of a small integer tensor made so are known from ``data``."""
+        tracer = self
+        for name in ("tensor", "as_tensor"):
+            orig = getattr(torch, name, None)
+            if orig is None:
+                continue
+
+            def make(orig):
+                def factory(data, *a, **k):
+                    out = orig(data, *a, **k)
+                    if tracer.tracing and out is not data and out.__class__ is _Tensor and out.is_cuda:
+                        try:
+                            tracer.index_values.learn_data(out, data)
+                        except Exception as exc:
+                            tracer._stop_on_bug(exc, "torch.tensor")
+                    return out
+                factory.__wrapped__ = orig
+                factory.__doc__ = orig.__doc__
+                return factory
+
+            self._patched.append((torch, name, orig))
+            setattr(torch, name, make(orig))
 
     def _queried(self, obj, what: str) -> None:
         """A ``query()`` of an event or stream returned True: the host has waited for it."""
@@ -1588,7 +1617,7 @@ class TorchTracer:
             self.staged.forget(writes)
         known = self.index_values
         if known.spans:
-            known.written(writes)
+            self._values_after(plan, args, kwargs, out, () if plan.is_copy and cpu is not None else reads, writes)
         if cpu is not None and plan.is_copy and not cpu_written:  # a copy from the host: index values seen
             dst = out if plan.fresh_outputs else args[0] if args else kwargs.get("self")
             if isinstance(dst, _Tensor) and dst.is_cuda:
@@ -1616,6 +1645,21 @@ class TorchTracer:
         if len(evs) >= self.buffer.batch:
             self.buffer.flush()
         return out
+
+    def _values_after(self, plan, args, kwargs, out, reads, writes) -> None:
+        """An op that may read or write known index values ran (both tracers): what an op of
+        :data:`.indices.DERIVED` made from them is known too; what any op overwrote is not."""
+        known = self.index_values
+        spans = known.spans
+        result = None
+        if plan.derives and any(s[0] == r[0] and s[1] < r[1] + r[2] and r[1] < s[2]
+                                for r in itertools.chain(reads, writes) for s in spans):
+            result = known.derive(plan, args, kwargs or {})
+        if writes:
+            known.written(writes)
+        if (result is not None and isinstance(out, _Tensor) and out.is_cuda and out.dtype in INDEX_DTYPES
+                and isinstance(result, _Tensor) and result.numel() == out.numel() and out.is_contiguous()):
+            known.learn(out, flat_values(result))
 
     def _index_rows(self, plan, args, kwargs, reads, writes) -> None:
         """An index-addressed op whose indices' values are known touches only the rows they name: its indexed

@@ -2,10 +2,12 @@
 indices name different rows, a race when they share one. The paged KV caches of vLLM, SGLang and LMCache work so:
 a load stream fills free blocks with ``index_copy_`` while compute gathers other blocks with ``index_select``,
 and their indices are built on the host and copied to the device (``torch.tensor(..., pin_memory=True).to(dev,
-non_blocking=True)``, or a persistent device buffer filled by ``gpu[:n].copy_(cpu[:n], non_blocking=True)``) or
-made by ``torch.arange``. streamsan reads the indices' values where they are on the host, at the copy
-(``streamsan.tracers.indices``). Indices it cannot know (computed on the device, or overwritten there after the
-copy) count as touching every row: those scenarios expect the finding a conservative answer gives.
+non_blocking=True)``, or a persistent device buffer filled by ``gpu[:n].copy_(cpu[:n], non_blocking=True)``),
+made by ``torch.arange`` or ``torch.tensor(..., device=...)``, or computed on the device from such (``.long()``,
+``table[rows] * BLOCK + offsets``). streamsan reads the indices' values where they are on the host, at the copy,
+and computes the device ops' results on the host (``streamsan.tracers.indices``). Indices it cannot know
+(overwritten on the device by an op it cannot compute) count as touching every row: those scenarios expect the
+finding a conservative answer gives.
 
 Each pair: the program with rows in common (a race), and the same with disjoint rows (clean). The compute stream
 is kept busy first, so the unordered work really overlaps.
@@ -86,6 +88,36 @@ def token_written_into_the_next_block():
     _slot_writes_while_offloading([BLOCK, BLOCK + 1])
 
 
+def _slots_from_block_table(slot_block):
+    """Slots computed on the device as ``block_table[rows] * BLOCK + offsets`` (vLLM's slot mapping, before its
+    Triton kernel), from a block table and offsets made with ``torch.tensor(..., device=...)`` and converted with
+    ``.long()``: the compute stream writes the new tokens' KV there while the offload stream copies block 0 out. The
+    tracer computes the slots on the host from the values it knows."""
+    (offload,) = streams("offload")
+    cache = _cache()
+    host_block = torch.empty(BLOCK, DIM, dtype=torch.float16, pin_memory=True)
+    torch.cuda.synchronize()
+    offload.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(offload):
+        torch.cuda._sleep(BUSY)
+        host_block.copy_(cache[0], non_blocking=True)
+    block_table = torch.tensor([[7, slot_block], [2, 9]], device="cuda", dtype=torch.int32)
+    offsets = torch.tensor([3, 4], device="cuda")
+    slots = block_table[torch.tensor([0, 0], device="cuda"), torch.tensor([1, 1], device="cuda")].long() * BLOCK
+    slots += offsets
+    cache.view(-1, DIM).index_copy_(0, slots, torch.ones(2, DIM, device="cuda", dtype=torch.float16))
+    offload.synchronize()
+    return cache.float().sum().item() + host_block.float().sum().item()
+
+
+def slots_computed_into_the_block_being_offloaded():
+    _slots_from_block_table(0)
+
+
+def slots_computed_into_another_block():
+    _slots_from_block_table(5)
+
+
 def _gather_arange_rows(start):
     """Rows named by ``torch.arange`` (known without reading them) gathered on a side stream while compute updates
     rows 0-7 in place."""
@@ -136,6 +168,7 @@ def indices_shifted_elsewhere_still_unknown():
 SCENARIOS = [
     load_into_the_block_compute_reads, load_into_free_blocks,
     token_written_into_the_block_being_offloaded, token_written_into_the_next_block,
+    slots_computed_into_the_block_being_offloaded, slots_computed_into_another_block,
     arange_rows_overlap_the_update, arange_rows_past_the_update,
     indices_shifted_onto_the_written_row, indices_shifted_elsewhere_still_unknown,
 ]
@@ -149,6 +182,10 @@ EXPECTED = {
         ("device-device", "offload", "aten::copy_", "default", "aten::index_copy_"),
     ],
     "token_written_into_the_next_block": [],
+    "slots_computed_into_the_block_being_offloaded": [
+        ("device-device", "offload", "aten::copy_", "default", "aten::index_copy_"),
+    ],
+    "slots_computed_into_another_block": [],
     "arange_rows_overlap_the_update": [
         ("device-device", "side", "aten::index.Tensor", "default", "aten::add_.Tensor"),
     ],
@@ -171,7 +208,8 @@ def test_the_finding_names_the_common_rows(san):
     assert (f.hi - f.lo) == BLOCK * DIM * 2
 
 
-@pytest.mark.parametrize("program", [load_into_free_blocks, token_written_into_the_next_block])
+@pytest.mark.parametrize("program", [load_into_free_blocks, token_written_into_the_next_block,
+                                     slots_computed_into_another_block])
 def test_results_are_unchanged(program):
     """The tracer reads index values on the host only: what the program computes is what it computes untraced."""
     import streamsan
