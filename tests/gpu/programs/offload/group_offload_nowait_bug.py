@@ -1,0 +1,119 @@
+# Source: diffusers, src/diffusers/hooks/group_offloading.py (group offloading
+#   with use_stream=True: ModuleGroup.onload_ copies a group's parameters
+#   `param.data = param.data.to(onload_device, non_blocking=True)` under
+#   `torch.cuda.stream(self.stream)` and the next group is prefetched from
+#   GroupOffloadingHook.pre_forward).  See huggingface/diffusers PR #13502
+#   "fix(group_offloading): synchronize default stream against transfer
+#   stream" (wrong outputs; CSAN reported the race; fix adds
+#   default_stream.wait_stream(transfer_stream)).
+# Race (bug version): the block's forward on the default stream reads the
+#   parameters whose H2D copies were enqueued on the transfer stream, with no
+#   event/wait between the two streams (device-device RAW).  When the transfer
+#   stream is behind (here: a _sleep enqueued on it models PCIe traffic), the
+#   Linear kernels read uninitialized / recycled weight memory.
+# Fix: before the group's forward, the compute stream waits on the event
+#   recorded after that group's onload.
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SPIN = 20_000_000  # torch.cuda._sleep cycles (~10 ms on H200)
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + F.gelu(self.proj(x))
+
+
+class ModuleGroup:
+    def __init__(self, module, stream):
+        self.module = module
+        self.stream = stream
+        self.onloaded = False
+        self.onload_event = torch.cuda.Event()
+        self.cpu_param_dict = {}
+        for p in module.parameters():
+            self.cpu_param_dict[p] = p.data.cpu().pin_memory()
+            p.data = self.cpu_param_dict[p]
+
+    def onload_(self):
+        current_stream = torch.cuda.current_stream()
+        with torch.cuda.stream(self.stream):
+            for p, cpu in self.cpu_param_dict.items():
+                p.data = cpu.to("cuda", non_blocking=True)
+                p.data.record_stream(current_stream)
+            self.onload_event.record(self.stream)
+        self.onloaded = True
+
+    def offload_(self):
+        for p, cpu in self.cpu_param_dict.items():
+            p.data = cpu  # drops the GPU copy (protected by record_stream)
+        self.onloaded = False
+
+
+class GroupOffloadingHook:
+    def __init__(self, group, next_group):
+        self.group = group
+        self.next_group = next_group
+
+    def pre_forward(self, module, args):
+        if not self.group.onloaded:
+            self.group.onload_()
+        if self.next_group is not None:
+            self.next_group.onload_()  # prefetch the next block's weights
+        # (missing: torch.cuda.current_stream().wait_event(self.group.onload_event))
+        return args
+
+    def post_forward(self, module, args, output):
+        self.group.offload_()
+        return output
+
+
+def apply_group_offloading(blocks, stream):
+    groups = [ModuleGroup(b, stream) for b in blocks]
+    for i, g in enumerate(groups):
+        hook = GroupOffloadingHook(g, groups[i + 1] if i + 1 < len(groups) else None)
+        g.module.register_forward_pre_hook(hook.pre_forward)
+        g.module.register_forward_hook(hook.post_forward)
+    return groups
+
+
+def main():
+    torch.manual_seed(0)
+    D, NBLOCKS, T, STEPS = 2048, 8, 1024, 4
+    model = nn.Sequential(*[Block(D) for _ in range(NBLOCKS)])
+    for p in model.parameters():
+        p.data.mul_(0.5)
+    latents = torch.randn(T, D)
+
+    with torch.no_grad():
+        ref_model = copy.deepcopy(model).cuda()
+        ref = latents.cuda()
+        for _ in range(STEPS):
+            ref = ref_model(ref) * 0.5
+        torch.cuda.synchronize()
+
+        transfer_stream = torch.cuda.Stream()
+        apply_group_offloading(list(model), transfer_stream)
+        x = latents.cuda()
+        for _ in range(STEPS):
+            # the transfer stream is busy (PCIe contention) when the step starts
+            with torch.cuda.stream(transfer_stream):
+                torch.cuda._sleep(SPIN)
+            x = model(x) * 0.5
+        torch.cuda.synchronize()
+
+    checksum = x.double().sum().item()
+    err = (x - ref).abs().max().item() / ref.abs().max().item()
+    print(f"checksum={checksum:.8e} rel_err_vs_ref={err:.3e}",
+          "OK" if err < 1e-5 else "MISMATCH")
+
+
+if __name__ == "__main__":
+    main()
