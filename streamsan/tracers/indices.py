@@ -134,7 +134,7 @@ class IndexValues:
                 values = data.ravel().tolist()
             else:
                 values = list(_ints(data))
-        except (TypeError, ValueError, AttributeError):  # (floats, strings...)
+        except Exception:  # (floats, strings, anything else: unknown values are always safe)
             return
         if all(type(v) is int for v in values):
             self.learn(out, values)
