@@ -57,21 +57,28 @@ def load_into_free_blocks():
     _load_while_attending([5, 6], [0, 1, 2, 3, 4])
 
 
-def _slot_writes_while_offloading(slots):
-    """vLLM's offloading connector after its fix orders each store after the KV writes so far; compute then writes
-    the next token's slots (a persistent slot-mapping buffer, refilled from pinned memory each step) while the
-    offload stream still copies full block 0 to the host: legal while the new slots are in other blocks."""
+def _offloading_block_0():
+    """(the offload stream, the cache, the pinned host block): the offload stream, ordered after everything so
+    far and kept busy, then copying block 0 of the cache out to the host block."""
     (offload,) = streams("offload")
     cache = _cache()
-    slots_view = cache.view(-1, DIM)
-    slot_cpu = torch.zeros(64, dtype=torch.int64, pin_memory=True)
-    slot_gpu = torch.zeros(64, dtype=torch.int64, device="cuda")
     host_block = torch.empty(BLOCK, DIM, dtype=torch.float16, pin_memory=True)
     torch.cuda.synchronize()
     offload.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(offload):
         torch.cuda._sleep(BUSY)
         host_block.copy_(cache[0], non_blocking=True)
+    return offload, cache, host_block
+
+
+def _slot_writes_while_offloading(slots):
+    """vLLM's offloading connector after its fix orders each store after the KV writes so far; compute then writes
+    the next token's slots (a persistent slot-mapping buffer, refilled from pinned memory each step) while the
+    offload stream still copies full block 0 to the host: legal while the new slots are in other blocks."""
+    slot_cpu = torch.zeros(64, dtype=torch.int64, pin_memory=True)
+    slot_gpu = torch.zeros(64, dtype=torch.int64, device="cuda")
+    offload, cache, host_block = _offloading_block_0()
+    slots_view = cache.view(-1, DIM)
     n = len(slots)
     slot_cpu[:n] = torch.tensor(slots)
     slot_gpu[:n].copy_(slot_cpu[:n], non_blocking=True)
@@ -93,14 +100,7 @@ def _slots_from_block_table(slot_block):
     Triton kernel), from a block table and offsets made with ``torch.tensor(..., device=...)`` and converted with
     ``.long()``: the compute stream writes the new tokens' KV there while the offload stream copies block 0 out. The
     tracer computes the slots on the host from the values it knows."""
-    (offload,) = streams("offload")
-    cache = _cache()
-    host_block = torch.empty(BLOCK, DIM, dtype=torch.float16, pin_memory=True)
-    torch.cuda.synchronize()
-    offload.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(offload):
-        torch.cuda._sleep(BUSY)
-        host_block.copy_(cache[0], non_blocking=True)
+    offload, cache, host_block = _offloading_block_0()
     block_table = torch.tensor([[7, slot_block], [2, 9]], device="cuda", dtype=torch.int32)
     offsets = torch.tensor([3, 4], device="cuda")
     slots = block_table[torch.tensor([0, 0], device="cuda"), torch.tensor([1, 1], device="cuda")].long() * BLOCK
