@@ -239,3 +239,38 @@ def test_an_embedding_reads_the_rows_of_its_ids(traced):
     dispatch(aten.copy_.default, ids, torch.tensor([[0, 1], [2, 4]]))
     dispatch(aten.embedding.default, table, ids)
     assert findings(analyzer, tracer) == []
+
+
+def test_threads_learning_and_forgetting_at_once():
+    """Threads dispatch ops at once (PyTorch releases the GIL inside ops): the store stays consistent."""
+    import threading
+
+    known = IndexValues()
+    bufs = [like(torch.zeros(8, dtype=torch.int64)) for _ in range(8)]
+    errors = []
+
+    def work(k):
+        try:
+            for i in range(2000):
+                b = bufs[(k + i) % len(bufs)]
+                known.learn(b, list(range(i, i + 8)))
+                known.values_of(b[2:5])
+                known.written([(0, b.data_ptr() + 8 * (i % 8), 8)])
+        except Exception as exc:  # (an index out of range, a list changed during iteration...)
+            errors.append(exc)
+
+    import sys
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switch between any two bytecodes: without the lock, this fails)
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert len(known.spans) == len(known._known) <= 2 * len(bufs)
+    assert all((k.space, k.lo, k.hi) == s for k, s in zip(known._known, known.spans))

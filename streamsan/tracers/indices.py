@@ -14,6 +14,7 @@ values into the ranges of the rows they name.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -88,12 +89,14 @@ class IndexValues:
     """Values of device index tensors the tracer saw written from the host side.
 
     ``spans``: [(space, lo, hi)] of the remembered bytes, in step with the entries; the C tracer reads it (the list
-    is only ever changed in place) to tell :meth:`written` about its ops' writes only when one may touch a span.
+    is only ever changed in place) to call the tracer back only for ops that may read or write a span. Threads
+    dispatching ops at once share it: changes and lookups hold a lock.
     """
 
     def __init__(self):
         self.spans: list = []
         self._known: list[_Known] = []
+        self._lock = threading.RLock()
 
     def learn(self, t, values) -> None:
         """``t`` (a contiguous CUDA tensor) now holds ``values`` (a sequence of ints, one per element, or None:
@@ -101,17 +104,18 @@ class IndexValues:
         lo = t.data_ptr()
         hi = lo + t.nbytes
         space = t.get_device()
-        self._forget(space, lo, hi)
-        if values is None or len(values) != t.numel() or not hi > lo:
-            return
         try:
             storage = weakref.ref(t.untyped_storage())
         except TypeError:
-            return
-        while len(self._known) >= MAX_SPANS:
-            self._drop(0)
-        self._known.append(_Known(space, lo, hi, t.dtype, values, storage))
-        self.spans.append((space, lo, hi))
+            storage = None
+        with self._lock:
+            self._forget(space, lo, hi)
+            if storage is None or values is None or len(values) != t.numel() or not hi > lo:
+                return
+            while len(self._known) >= MAX_SPANS:
+                self._drop(0)
+            self._known.append(_Known(space, lo, hi, t.dtype, values, storage))
+            self.spans.append((space, lo, hi))
 
     def learn_copy(self, dst, src) -> None:
         """A copy from host tensor ``src`` into CUDA tensor ``dst`` (enqueued now: it reads ``src`` as the host
@@ -198,22 +202,23 @@ class IndexValues:
         p = t.data_ptr()
         n = t.numel()
         space = t.get_device()
-        for k in self._known:
-            if k.space == space and k.lo <= p and p + t.nbytes <= k.hi and k.dtype == t.dtype:
-                st = k.storage()
-                if st is None or st is not t.untyped_storage():
-                    return None
-                first = (p - k.lo) // t.element_size()
-                return k.values[first:first + n]
-        return None
+        with self._lock:
+            found = next((k for k in self._known if k.space == space and k.lo <= p and p + t.nbytes <= k.hi
+                          and k.dtype == t.dtype), None)
+        if found is None or found.storage() is not t.untyped_storage():  # (a dead storage's reference is None)
+            return None
+        first = (p - found.lo) // t.element_size()
+        return found.values[first:first + n]
 
     def written(self, ranges) -> None:
         """Forget what ``ranges`` (an op's writes) may have overwritten: the values of the elements outside them
         stay known."""
-        for r in ranges:
-            self._forget(r[0], r[1], r[1] + r[2])
+        with self._lock:
+            for r in ranges:
+                self._forget(r[0], r[1], r[1] + r[2])
 
     def _forget(self, space, lo, hi) -> None:
+        """(Under the lock.) Forget the values of [lo, hi), and those of storages that died."""
         known = self._known
         for i in range(len(known) - 1, -1, -1):
             k = known[i]
