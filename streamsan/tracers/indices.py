@@ -31,6 +31,7 @@ MAX_RUNS = 64
 
 _tolist = torch.Tensor.tolist  # (the tracer patches Tensor.tolist into a host read; its own reads are not)
 _DisableTorchDispatch = torch._C._DisableTorchDispatch
+_new_tensor = torch.tensor  # (the tracer patches torch.tensor; its own host copies need not go through that)
 
 # Device ops whose integer results the tracer computes on the host, by running the same op on host copies of
 # inputs whose values it knows (base names; deterministic ops only, no out= overloads).
@@ -149,16 +150,16 @@ class IndexValues:
         if plan.name.endswith("out"):  # (out= overloads)
             return None
         try:
-            if plan.base == "copy_":  # the destination's old values do not matter
-                dst, src = args[0], self._host(args[1])
-                return torch.empty(tuple(dst.shape), dtype=dst.dtype).copy_(src)
-            if plan.base == "fill_":
-                value = args[1]
-                value = self._host(value).item() if isinstance(value, torch.Tensor) else value
-                return torch.full(tuple(args[0].shape), value, dtype=args[0].dtype)
-            host_args = [self._host_arg(a) for a in args]
-            host_kwargs = {k: ("cpu" if k == "device" else self._host_arg(v)) for k, v in kwargs.items()}
-            with _DisableTorchDispatch():
+            with _DisableTorchDispatch():  # (host work of the tracer's own: no dispatch mode sees it)
+                if plan.base == "copy_":  # the destination's old values do not matter
+                    dst, src = args[0], self._host(args[1])
+                    return torch.empty(tuple(dst.shape), dtype=dst.dtype).copy_(src)
+                if plan.base == "fill_":
+                    value = args[1]
+                    value = self._host(value).item() if isinstance(value, torch.Tensor) else value
+                    return torch.full(tuple(args[0].shape), value, dtype=args[0].dtype)
+                host_args = [self._host_arg(a) for a in args]
+                host_kwargs = {k: ("cpu" if k == "device" else self._host_arg(v)) for k, v in kwargs.items()}
                 return plan.func(*host_args, **host_kwargs)
         except Exception:  # an unknown input, or an op the host copies do not suit
             return None
@@ -171,7 +172,7 @@ class IndexValues:
         values = self.values_of(t)
         if values is None:
             raise LookupError("unknown values")
-        return torch.tensor(list(values), dtype=t.dtype).reshape(tuple(t.shape))
+        return _new_tensor(list(values), dtype=t.dtype).reshape(tuple(t.shape))
 
     def _host_arg(self, a):
         if isinstance(a, (list, tuple)):
