@@ -268,3 +268,17 @@ def test_environment_reports_only_imported_cupy_and_transformers(monkeypatch):
     monkeypatch.delitem(sys.modules, "cupy", raising=False)
     env = collect_environment([])
     assert env["transformers"] == "5.17.0" and env["cupy"] is None
+
+
+@pytest.mark.parametrize("role, code", [
+    ("prefetch_stream", "prefetch_stream"),
+    ("self.copy_stream", "self.copy_stream"),
+    ("default", "torch.cuda.current_stream()"),
+    ("self.streams#2", "<self.streams#2>"),  # (the second of streams made on one line)
+    ("graph capture stream", "<graph capture stream>"),
+    (None, "<stream 0x5a>"),
+])
+def test_a_fix_spells_a_stream_as_code_only_where_its_name_is_code(role, code):
+    from streamsan.report.advice import stream_code
+
+    assert stream_code({"kind": "stream", "stream": "0x5a", "role": role}) == code

@@ -3,7 +3,7 @@
 Both are built from the report's own dicts (an access's ``agent``, ``op``, ``type``, ``location``), so they
 read the same whether a report was built in-process or replayed. A stream is spelled as code where possible:
 its role name (``prefetch_stream``), ``torch.cuda.current_stream()`` for the role ``default``, or a
-placeholder ``<stream 0x...>`` when nothing better is known.
+placeholder (``<graph capture stream>``, ``<stream 0x...>``) when it is not code.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from ..findings import ALLOC_REUSE, HOST_DEVICE, MISSING_RECORD_STREAM
 
 
 def stream_code(agent: dict) -> str:
-    """An expression for the agent's stream, to paste into a fix."""
+    """An expression for the agent's stream, to paste into a fix; a placeholder ``<...>`` where its name is no
+    Python expression (``graph capture stream``, ``self.streams#2``, an unnamed stream)."""
     role = agent.get("role")
     if role == "default":
         return "torch.cuda.current_stream()"
-    if role:
+    if role and all(part.isidentifier() for part in role.split(".")):
         return role
-    return f"<stream {agent.get('stream')}>"
+    return f"<{role}>" if role else f"<stream {agent.get('stream')}>"
 
 
 def agent_text(agent: dict) -> str:
