@@ -1902,6 +1902,8 @@ class TorchTracer:
                 return out
             a = self.agent(dev, _cuda_raw_stream(dev))
         self.saw_cuda = True
+        if self.index_values.spans:
+            self.index_values.written(writes)
         self._place(evs, mark, (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0),
                     plain if plan.fresh_outputs else None, collective=plan.collective)
         self._commit(evs)
