@@ -214,6 +214,8 @@ class IndexValues:
     def written(self, ranges) -> None:
         """Forget what ``ranges`` (an op's writes) may have overwritten: the values of the elements outside them
         stay known."""
+        if not self.spans or not ranges:
+            return
         with self._lock:
             for r in ranges:
                 self._forget(r[0], r[1], r[1] + r[2])

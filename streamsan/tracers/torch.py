@@ -1309,8 +1309,7 @@ class TorchTracer:
                 self._captured(cap, dev, f"triton:{kernel.__name__}", reads, writes)
             return
         self.saw_cuda = True
-        if self.index_values.spans:
-            self.index_values.written(writes)
+        self.index_values.written(writes)
         self._emit((E.OP, self.agent(dev, _cuda_raw_stream(dev)), f"triton:{kernel.__name__}", tuple(reads),
                     tuple(writes), self.stacks.capture(self.buffer.events, 2), self.ctx, 0))
 
@@ -1373,8 +1372,7 @@ class TorchTracer:
         dev, reads, writes = acc
         a = self.agent(dev, _cuda_raw_stream(dev))
         self.saw_cuda = True
-        if self.index_values.spans:
-            self.index_values.written(writes)
+        self.index_values.written(writes)
         self._emit((E.OP, a, "CUDAGraph.replay", reads, writes, self.stacks.capture(self.buffer.events, 2),
                     self.ctx, 0))
 
@@ -1655,8 +1653,7 @@ class TorchTracer:
         if plan.derives and any(s[0] == r[0] and s[1] < r[1] + r[2] and r[1] < s[2]
                                 for r in itertools.chain(reads, writes) for s in spans):
             result = known.derive(plan, args, kwargs or {})
-        if writes:
-            known.written(writes)
+        known.written(writes)
         if (result is not None and isinstance(out, _Tensor) and out.is_cuda and out.dtype in INDEX_DTYPES
                 and isinstance(result, _Tensor) and result.numel() == out.numel() and out.is_contiguous()):
             known.learn(out, flat_values(result))
@@ -1902,8 +1899,7 @@ class TorchTracer:
                 return out
             a = self.agent(dev, _cuda_raw_stream(dev))
         self.saw_cuda = True
-        if self.index_values.spans:
-            self.index_values.written(writes)
+        self.index_values.written(writes)
         self._place(evs, mark, (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0),
                     plain if plan.fresh_outputs else None, collective=plan.collective)
         self._commit(evs)
