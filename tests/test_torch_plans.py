@@ -34,6 +34,15 @@ def shape(op):
     (aten._foreach_add_.List, {"reads": ["other"], "writes": ["self"], "fresh": False, "skip": False}),
     (aten.max.dim, {"reads": ["self"], "writes": [], "fresh": True, "skip": False}),
     (aten.split.Tensor, {"reads": [], "writes": [], "fresh": False, "skip": True}),
+    # optional tensors (``Tensor?``, spelt Optional[Tensor]) are read too: a bias, a norm's weight, a mask
+    (aten.addmm.default, {"reads": ["self", "mat1", "mat2"], "writes": [], "fresh": True, "skip": False}),
+    (aten.native_layer_norm.default, {"reads": ["input", "weight", "bias"], "writes": [], "fresh": True,
+                                      "skip": False}),
+    (aten._scaled_dot_product_efficient_attention.default, {
+        "reads": ["query", "key", "value", "attn_bias"], "writes": [], "fresh": True, "skip": False}),
+    (aten.batch_norm_gather_stats_with_counts.default, {
+        "reads": ["input", "mean", "invstd", "counts"], "writes": ["running_mean", "running_var"], "fresh": True,
+        "skip": False}),
 ])
 def test_plan(op, expected):
     assert shape(op) == expected

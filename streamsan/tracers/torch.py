@@ -82,6 +82,19 @@ PINNING = frozenset({"_pin_memory", "pin_memory"})
 # wait for the current stream.
 COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::")
 COPIES = frozenset({"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "to"})
+# Composite ops whose schema does not say what their kernel touches: a result that may be an input itself
+# (dropout outside training, type_as to the same dtype), inputs written in place (batch_norm's running
+# statistics). They run through their decomposition (OpPlan.decompose).
+SCHEMA_HIDES = frozenset({
+    "dropout", "dropout_", "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
+    "feature_alpha_dropout", "feature_alpha_dropout_", "type_as", "atleast_1d", "atleast_2d", "atleast_3d",
+    "to_dense", "batch_norm", "instance_norm", "_batch_norm_impl_index",
+})
+# Batch norm kernels that update the running statistics in place without a schema annotation: the position of
+# their ``training`` flag (they write the statistics only in training), or None (they always do).
+STATISTICS_WRITES = {"native_batch_norm": 5, "cudnn_batch_norm": 5, "miopen_batch_norm": 5,
+                     "batch_norm_gather_stats": None, "batch_norm_gather_stats_with_counts": None}
+RUNNING_STATISTICS = ("running_mean", "running_var")
 _FACTORY_SUFFIX = ("_like",)
 _FACTORY_PREFIX = ("new_",)
 
@@ -109,13 +122,20 @@ class OpPlan:
     ``tensor_args``: (position, name, is_write, is_list) for every tensor argument the kernel touches (a list
     of lists, ``Tensor[][]``, is flattened at dispatch).
     ``fresh_outputs``: whether returned tensors are new memory the op writes. ``skip``: no access at all.
+    ``training_args``: for batch norm kernels, the training flag's position and the tensor arguments when it is
+    true (the running statistics written: :data:`STATISTICS_WRITES`).
+    ``decompose``: for a composite op whose schema hides what it touches (``to``, ``reshape``, ``contiguous``:
+    the input itself or a copy; ``dropout``, ``batch_norm``...), its C++ composite kernel (else None). PyTorch runs composite ops whole through
+    the dispatch mode only in inference mode (elsewhere they decompose before it); the tracer runs that kernel,
+    so it sees the copies they make (``_to_copy``, ``clone``) and nothing where they make none, as outside
+    inference mode.
     ``call``: what runs the op (:func:`_direct_call`). ``fast``: what the C tracer reads (``streamsan/_ctracer.c``):
     (kind, call, name, tensor_args, fresh_outputs, is_copy), kind 0 for ops only the Python path handles.
     """
 
     __slots__ = ("func", "call", "name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy",
                  "pinning", "pinning_or_copy", "record_stream", "collective", "indexed", "arange", "base", "derives",
-                 "fast")
+                 "decompose", "training_args", "fast")
 
     def __init__(self, func):
         self.func = func
@@ -133,6 +153,7 @@ class OpPlan:
         self.arange = base == "arange"
         self.base = base
         self.derives = base in DERIVED  # (its integer results are computed from known index values)
+        self.decompose = _composite_kernel(func) if _schema_hides_accesses(schema, base) else None
         factory = base.endswith(_FACTORY_SUFFIX) or base.startswith(_FACTORY_PREFIX)
         # c10d's in-place collectives carry no alias annotations: every tensor they take may be written
         inplace_collective = self.collective and base.endswith("_")
@@ -143,7 +164,9 @@ class OpPlan:
             if kind is None:
                 continue
             alias = a.alias_info
-            is_write = bool(alias is not None and alias.is_write) or inplace_collective
+            # (an optional tensor of a collective is an input: allreduce_'s sparse_indices)
+            is_write = bool(alias is not None and alias.is_write) or (
+                inplace_collective and not str(t).startswith("Optional"))
             if alias is not None and not is_write:
                 continue  # a view of this argument: metadata only
             if factory and not is_write:
@@ -152,15 +175,45 @@ class OpPlan:
                 continue
             args.append((i if not a.kwarg_only else -1, a.name, is_write, kind != "tensor"))
         self.tensor_args = tuple(args)
+        self.training_args = None  # (position of `training`, tensor_args when it is true)
+        if base in STATISTICS_WRITES:
+            updated = tuple((p, n, w or n in RUNNING_STATISTICS, li) for p, n, w, li in args)
+            if STATISTICS_WRITES[base] is None:
+                self.tensor_args = updated
+            else:
+                self.training_args = (STATISTICS_WRITES[base], updated)
         self.fresh_outputs = bool(schema.returns) and all(
             r.alias_info is None for r in schema.returns) and any(_tensor_kind(r.type) for r in schema.returns)
         no_access = base in NO_ACCESS and not self.pinning and not (base == "_unsafe_view" and schema.overload_name)
-        self.skip = no_access or (not self.tensor_args and not self.fresh_outputs)  # (_unsafe_view.out copies)
-        if self.skip:
+        self.skip = self.decompose is None and (
+            no_access or (not self.tensor_args and not self.fresh_outputs))  # (_unsafe_view.out copies)
+        if self.decompose is not None or self.training_args is not None:
+            kind = _FAST_NONE
+        elif self.skip:
             kind = _FAST_NONE if self.record_stream else _FAST_ALLOCATING if self.fresh_outputs else _FAST_UNTOUCHED
         else:
             kind = _FAST_NONE if self.pinning or self.collective or self.indexed else _FAST_ACCESSES
         self.fast = (kind, self.call, self.name, self.tensor_args, self.fresh_outputs, self.is_copy)
+
+
+def _schema_hides_accesses(schema, base: str) -> bool:
+    """Whether an op's accesses cannot be read from its schema: its result aliases an input (``to``, ``reshape``,
+    ``contiguous``, ``flatten``...: the input itself, or a copy of it), or it is one of :data:`SCHEMA_HIDES`."""
+    return base in SCHEMA_HIDES or any(r.alias_info is not None and not r.alias_info.is_write
+                                        for r in schema.returns)
+
+
+def _composite_kernel(func):
+    """An op's C++ CompositeImplicitAutograd kernel, as a callable (what runs outside inference mode; not
+    ``OpOverload.decompose``, which prefers Python decompositions: ``dropout``'s clones its input), or None."""
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    op_dk = getattr(func, "_op_dk", None)
+    try:
+        if op_dk is None or not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key):
+            return None
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return lambda *args, **kwargs: op_dk(key, *args, **kwargs)
 
 
 # OpPlan.fast kinds: what the C tracer does with an op (streamsan/_ctracer.c)
@@ -168,10 +221,13 @@ _FAST_NONE, _FAST_UNTOUCHED, _FAST_ALLOCATING, _FAST_ACCESSES = 0, 1, 2, 3
 
 
 def _tensor_kind(t):
+    """"tensor", "list" or "nested" for a schema type holding tensors (optional ones too: ``Tensor? bias`` is
+    spelt ``Optional[Tensor]``), else None."""
     s = str(t)
-    if s in ("Tensor", "Tensor?"):
+    if s in ("Tensor", "Tensor?", "Optional[Tensor]"):
         return "tensor"
-    if s in ("Tensor[]", "Tensor?[]", "List[Tensor]", "List[Optional[Tensor]]", "Tensor(a)[]", "Tensor(a!)[]"):
+    if s in ("Tensor[]", "Tensor?[]", "List[Tensor]", "List[Optional[Tensor]]", "Tensor(a)[]", "Tensor(a!)[]",
+             "Optional[List[Tensor]]", "Optional[List[Optional[Tensor]]]"):
         return "list"
     if s in ("List[List[Tensor]]", "Tensor[][]"):
         return "nested"
@@ -227,13 +283,18 @@ class _Mode(TorchDispatchMode):
                 return func(*args, **(kwargs or {}))
             return self._guarded(self.tracer._dispatch_captured, func, types, args, kwargs or {})
         try:
+            tracer = self.tracer
+            call = (tracer.plans.get(id(func)) or tracer._plan(func)).decompose
+            if call is not None:
+                with self:  # (the mode is off inside its own handler: on again for the ops of the decomposition)
+                    return call(*args, **(kwargs or {}))
             if types:  # tensor subclasses (plain tensors give none)
                 kind = _subclass_kind(types)
                 if kind == _MEMORYLESS:
                     return func(*args, **(kwargs or {}))
                 if kind == _WRAPPER:
                     return self.tracer._dispatch_wrapped(func, args, kwargs or {})
-            return self.tracer._dispatch(func, args, kwargs or {})
+            return tracer._dispatch(func, args, kwargs or {})
         except Exception as exc:
             ran = self.tracer._internal_error(exc, func)
             if ran is None:  # the op's own error: the program sees it as without streamsan
@@ -1505,7 +1566,12 @@ class TorchTracer:
         cpu_written = False
         rng = self._range_in
         nargs = len(args)
-        for pos, name, is_write, is_list in plan.tensor_args:
+        targs = plan.tensor_args
+        if plan.training_args is not None:
+            at = plan.training_args[0]
+            if (args[at] if at < nargs else kwargs.get("training")) is True:
+                targs = plan.training_args[1]
+        for pos, name, is_write, is_list in targs:
             v = args[pos] if 0 <= pos < nargs else kwargs.get(name)
             if v is None:
                 continue
