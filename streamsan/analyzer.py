@@ -740,7 +740,8 @@ class Analyzer:
     def _record_stream(self, ev) -> None:
         _, space, start, agent, _stack = ev
         blk = self._block_at(space, start)
-        if blk is not None and agent != blk.owner:  # the allocator ignores uses on the allocation stream
+        # (the allocator ignores uses on the allocation stream, and memory it did not allocate)
+        if blk is not None and agent != blk.owner and blk.pool != E.FOREIGN_POOL:
             blk.recorded = blk.recorded | {agent}
 
     def _label(self, ev) -> None:

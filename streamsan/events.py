@@ -32,9 +32,10 @@ ALLOC          (9, space, start, size, agent, stack, ctx, what[, pool])   owner 
                the private memory pool the block comes from (``torch.cuda.use_mem_pool``), absent or 0 for the
                owner stream's own free lists, ``UNREPORTED_POOL`` for memory of an allocator that reports no
                allocations or frees (the tracer declares each op's new outputs, and their frees when their storage
-               dies; see UNREPORTED_POOL)
+               dies; see UNREPORTED_POOL), ``FOREIGN_POOL`` for the pool of another library (CuPy's)
 FREE           (10, space, start, stack)
-RECORD_STREAM  (11, space, start, agent, stack) the block at start is also used by that stream
+RECORD_STREAM  (11, space, start, agent, stack) the block at start is also used by that stream (PyTorch's
+               ``record_stream``: no effect on blocks of the FOREIGN_POOL)
 LABEL          (12, space, start, size, label)  a human name for memory, e.g. "cache.layers[3].keys"
 EVENT_DELETE   (13, event)
 NOTE           (14, level, text)                something the tracer could not analyze ("warning", "info")
@@ -66,6 +67,10 @@ UNTRACED_REFILL = "refill outside traced calls"
 # block held, and over a block still live (its free was not seen) it ends that block's life: what its owner and
 # recorded users had seen comes before it, other streams' accesses race with it (docs/semantics.md).
 UNREPORTED_POOL = -1
+# The ALLOC pool of device memory from another library's caching pool that reports its allocations and frees
+# (CuPy's): a freed block goes back to that pool's free lists of its stream, and PyTorch's record_stream, which
+# only marks blocks of PyTorch's own allocator, does nothing to it (a torch tensor over CuPy memory, by DLPack).
+FOREIGN_POOL = -2
 
 DEF_STACK = 0
 DEF_CONTEXT = 1

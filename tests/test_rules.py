@@ -649,6 +649,16 @@ def test_record_stream_suppresses_missing_record_stream():
     none(evs + [alloc(0, BASE, 1 * KB, A), op(A, "copy_h2d", writes=[D(0, 1 * KB)])])
 
 
+def test_record_stream_does_nothing_to_another_librarys_pool():
+    """A torch tensor over CuPy memory (DLPack): PyTorch's record_stream marks only its own allocator's blocks, so
+    the CuPy pool's next allocation on the owner stream still races with the other stream's read."""
+    evs = streams(A, B) + [alloc(0, BASE, 1 * KB, A, pool=E.FOREIGN_POOL), op(B, "cat", reads=[D(0, KB)]),
+                           record_stream(0, BASE, B), free(0, BASE), alloc(0, BASE, 1 * KB, A, pool=E.FOREIGN_POOL)]
+    one(evs, MISSING_RECORD_STREAM, (B, "cat"), (A, "allocation"), BASE, BASE + 1 * KB)
+    # (its pool's free lists are its own: PyTorch's next allocation on A does not take the block)
+    none(evs[:-1] + [alloc(0, BASE + Q_OFF, 64, A)])
+
+
 def test_record_stream_before_the_foreign_access_suppresses_too():
     evs = streams(A, B) + [alloc(0, BASE, 1 * KB, A), record_stream(0, BASE, B), op(B, "cat", reads=[D(0, KB)]),
                            free(0, BASE), alloc(0, BASE + Q_OFF, 64, A)]

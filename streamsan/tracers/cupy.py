@@ -856,7 +856,7 @@ class CupyTracer:
             h = 0
         a = self._agent(device_id, h)
         self.live[(device_id, ptr)] = size
-        self._sink().append((E.ALLOC, device_id, ptr, size, a, self._stack(3), self.ctx, ""))
+        self._sink().append((E.ALLOC, device_id, ptr, size, a, self._stack(3), self.ctx, "", E.FOREIGN_POOL))
 
     def _on_free(self, device_id, ptr) -> None:
         if self.live.pop((device_id, ptr), None) is None or not self.running:

@@ -31,8 +31,10 @@ A collective that runs on a communication stream of its own keeps its tensors al
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
+import re
 import sys
 import threading
 import weakref
@@ -81,6 +83,9 @@ PINNING = frozenset({"_pin_memory", "pin_memory"})
 # Ops of these namespaces enqueue their kernels on a communication stream of their own (NCCL's), after making it
 # wait for the current stream.
 COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::")
+# Namespaces of PyTorch's own ops, whose kernels are C++ (none is looked for in Python: OpPlan.python_kernel).
+OWN_KERNELS = ("aten::", "prims::", "c10d::", "_c10d_functional::", "profiler::", "quantized::", "_quantized::",
+               "rngprims::", "inductor::", "cuda::")
 COPIES = frozenset({"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "to"})
 # Composite ops whose schema does not say what their kernel touches: a result that may be an input itself
 # (dropout outside training, type_as to the same dtype), inputs written in place (batch_norm's running
@@ -122,6 +127,10 @@ class OpPlan:
     ``tensor_args``: (position, name, is_write, is_list) for every tensor argument the kernel touches (a list
     of lists, ``Tensor[][]``, is flattened at dispatch).
     ``fresh_outputs``: whether returned tensors are new memory the op writes. ``skip``: no access at all.
+    ``python_kernel``: for an op implemented in Python (``torch.library.custom_op``, ``Library.impl``), the
+    dispatch keys of that implementation for CUDA tensors and for others (None where the kernel is not Python):
+    the tracer runs it with the mode on, so it sees its ops on the streams they run on (the implementation may
+    switch streams: an op on the current stream by its schema would hide that).
     ``training_args``: for batch norm kernels, the training flag's position and the tensor arguments when it is
     true (the running statistics written: :data:`STATISTICS_WRITES`).
     ``decompose``: for a composite op whose schema hides what it touches (``to``, ``reshape``, ``contiguous``:
@@ -135,7 +144,7 @@ class OpPlan:
 
     __slots__ = ("func", "call", "name", "tensor_args", "fresh_outputs", "skip", "metadata_inplace", "is_copy",
                  "pinning", "pinning_or_copy", "record_stream", "collective", "indexed", "arange", "base", "derives",
-                 "decompose", "training_args", "fast")
+                 "decompose", "python_kernel", "training_args", "fast")
 
     def __init__(self, func):
         self.func = func
@@ -154,6 +163,7 @@ class OpPlan:
         self.base = base
         self.derives = base in DERIVED  # (its integer results are computed from known index values)
         self.decompose = _composite_kernel(func) if _schema_hides_accesses(schema, base) else None
+        self.python_kernel = None if schema.name.startswith(OWN_KERNELS) else _python_kernel(func)
         factory = base.endswith(_FACTORY_SUFFIX) or base.startswith(_FACTORY_PREFIX)
         # c10d's in-place collectives carry no alias annotations: every tensor they take may be written
         inplace_collective = self.collective and base.endswith("_")
@@ -187,7 +197,7 @@ class OpPlan:
         no_access = base in NO_ACCESS and not self.pinning and not (base == "_unsafe_view" and schema.overload_name)
         self.skip = self.decompose is None and (
             no_access or (not self.tensor_args and not self.fresh_outputs))  # (_unsafe_view.out copies)
-        if self.decompose is not None or self.training_args is not None:
+        if self.decompose is not None or self.python_kernel is not None or self.training_args is not None:
             kind = _FAST_NONE
         elif self.skip:
             kind = _FAST_NONE if self.record_stream else _FAST_ALLOCATING if self.fresh_outputs else _FAST_UNTOUCHED
@@ -203,6 +213,15 @@ def _schema_hides_accesses(schema, base: str) -> bool:
                                         for r in schema.returns)
 
 
+def _python_kernel_call(func, keys, args, kwargs):
+    """What runs an op's Python implementation for these arguments (:func:`_python_kernel`), or None."""
+    cuda = any(t.is_cuda for v in itertools.chain(args, kwargs.values() if kwargs else ()) for t in _plain_tensors(v))
+    key = keys[0] if cuda else keys[1]
+    if key is None:
+        return None
+    return functools.partial(func._op_dk, key)  # (no frame of its own: an error inside is the program's)
+
+
 def _composite_kernel(func):
     """An op's C++ CompositeImplicitAutograd kernel, as a callable (what runs outside inference mode; not
     ``OpOverload.decompose``, which prefers Python decompositions: ``dropout``'s clones its input), or None."""
@@ -213,7 +232,36 @@ def _composite_kernel(func):
             return None
     except (AttributeError, RuntimeError, TypeError):
         return None
-    return lambda *args, **kwargs: op_dk(key, *args, **kwargs)
+    return functools.partial(op_dk, key)  # (no frame of its own: an error inside is the program's)
+
+
+def _python_kernel(func):
+    """(key, key): the dispatch keys of an op's Python implementation that run for CUDA tensors and for other
+    arguments, each None where the kernel there is not Python (C++ or none); None if neither is. Read from the
+    dispatcher's registrations: a Python kernel is registered at a line of a Python file."""
+    try:
+        dump = torch._C._dispatch_dump(func.name())
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    python = {}
+    for line in dump.splitlines():
+        key, sep, rest = line.partition(": registered at ")
+        if sep and key.replace("[alias]", "").isidentifier():
+            where = rest.split(" :: ")[0]
+            python[key.replace("[alias]", "")] = bool(_PYTHON_SITE.search(where))
+
+    def effective(keys):
+        for k in keys:
+            if k in python:
+                return getattr(torch._C.DispatchKey, k, None) if python[k] else None
+        return None
+
+    generic = ("CompositeExplicitAutograd", "CompositeImplicitAutograd")
+    cuda, other = effective(("CUDA",) + generic), effective(("CPU",) + generic)
+    return None if cuda is None and other is None else (cuda, other)
+
+
+_PYTHON_SITE = re.compile(r"(\.py|^<[^>]*>):\d+$")
 
 
 # OpPlan.fast kinds: what the C tracer does with an op (streamsan/_ctracer.c)
@@ -284,9 +332,12 @@ class _Mode(TorchDispatchMode):
             return self._guarded(self.tracer._dispatch_captured, func, types, args, kwargs or {})
         try:
             tracer = self.tracer
-            call = (tracer.plans.get(id(func)) or tracer._plan(func)).decompose
+            plan = tracer.plans.get(id(func)) or tracer._plan(func)
+            call = plan.decompose
+            if call is None and plan.python_kernel is not None:
+                call = _python_kernel_call(func, plan.python_kernel, args, kwargs)
             if call is not None:
-                with self:  # (the mode is off inside its own handler: on again for the ops of the decomposition)
+                with self:  # (the mode is off inside its own handler: on again for the ops inside)
                     return call(*args, **(kwargs or {}))
             if types:  # tensor subclasses (plain tensors give none)
                 kind = _subclass_kind(types)

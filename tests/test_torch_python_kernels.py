@@ -1,0 +1,92 @@
+"""Ops implemented in Python (``torch.library.custom_op``, ``Library.impl``) run with the dispatch mode on: their
+ops are traced where they run (on a GPU, the stream the implementation switches to), not the custom op as one
+op on the caller's stream by its schema. CPU only: a pinned block registered by hand, written by a copy on
+stream SIDE that nothing waits for; the implementations read it."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from streamsan import events as E  # noqa: E402
+from streamsan.analyzer import Analyzer  # noqa: E402
+from streamsan.findings import HOST_DEVICE  # noqa: E402
+from streamsan.sink import EventBuffer  # noqa: E402
+from streamsan.tracers.torch import OpPlan, TorchTracer  # noqa: E402
+from torch_kit import pin  # noqa: E402
+
+SIDE = 1
+
+
+@torch.library.custom_op("streamsan_test::double_it", mutates_args=())
+def double_it(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@torch.library.custom_op("streamsan_test::bump_", mutates_args=("x",), device_types="cpu")
+def bump_(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+@torch.library.custom_op("streamsan_test::refuse", mutates_args=())
+def refuse(x: torch.Tensor) -> torch.Tensor:
+    raise ValueError("refused")
+
+
+_LIB = torch.library.Library("streamsan_test", "FRAGMENT")
+_LIB.define("halve(Tensor x) -> Tensor")
+_LIB.impl("halve", lambda x: x / 2, "CPU")
+
+
+@pytest.fixture
+def traced():
+    analyzer = Analyzer()
+    tracer = TorchTracer(EventBuffer([analyzer.feed]))
+    host = torch.arange(16, dtype=torch.float32)
+    st = host.untyped_storage()
+    tracer.buffer.events.append(E.stream(SIDE, 0, 0x1000))
+    pin(tracer, host, what="float32[16]")
+    tracer.buffer.events.append(E.op(SIDE, "aten::copy_", writes=[E.rng(E.PINNED, st.data_ptr(), st.nbytes())]))
+    tracer.start()
+    try:
+        yield tracer, analyzer, host
+    finally:
+        tracer.stop()
+
+
+def findings(tracer, analyzer):
+    tracer.stop()
+    analyzer.finish()
+    return [(f.kind, (f.previous.agent, f.previous.name), (f.current.agent, f.current.name), f.lo, f.hi)
+            for f in analyzer.sorted_findings()]
+
+
+@pytest.mark.parametrize("call, inner", [
+    (lambda t: torch.ops.streamsan_test.double_it(t[:4]), "aten::mul.Tensor"),
+    (lambda t: torch.ops.streamsan_test.bump_(t[:4]), "aten::add_.Tensor"),
+    (lambda t: torch.ops.streamsan_test.halve(t[:4]), "aten::div.Tensor"),
+])
+def test_the_ops_inside_a_python_implementation_are_traced(traced, call, inner):
+    tracer, analyzer, host = traced
+    call(host)
+    base = host.untyped_storage().data_ptr()
+    assert findings(tracer, analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, inner), base, base + 16)]
+
+
+def test_an_implementation_that_raises_raises_as_without_streamsan(traced):
+    tracer, analyzer, host = traced
+    with pytest.raises(ValueError, match="refused"):
+        torch.ops.streamsan_test.refuse(host)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="invalid for input of size"):
+        host.reshape(5, 3)  # (inside a composite kernel)
+    assert tracer.tracing and not tracer.stopped_on_bug
+
+
+@pytest.mark.parametrize("op, keys", [
+    (lambda: torch.ops.streamsan_test.double_it.default, ("CompositeExplicitAutograd", "CompositeExplicitAutograd")),
+    (lambda: torch.ops.streamsan_test.bump_.default, (None, "CPU")),
+    (lambda: torch.ops.streamsan_test.halve.default, (None, "CPU")),
+    (lambda: torch.ops.aten.mul.Tensor, None),  # PyTorch's own: C++
+])
+def test_which_kernels_are_python(op, keys):
+    got = OpPlan(op()).python_kernel
+    assert (None if got is None else tuple(k.name if k is not None else None for k in got)) == keys
