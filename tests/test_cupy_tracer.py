@@ -208,6 +208,7 @@ def test_events_inside_a_call_are_placed_around_its_op(tracer):
     alloc = next(ev for ev in buf.events if ev[0] == E.ALLOC)
     op = next(ev for ev in buf.events if ev[0] == E.OP)
     assert alloc[7] == "float32[128]" and alloc[4] == t._agent(0, 0)  # owner: the stream current at malloc
+    assert alloc[8] == E.FOREIGN_POOL  # CuPy's pool: torch's record_stream does nothing to it
     assert op[1] == t._agent(0, 0xABC)  # the op runs on the stream it was given
     buf.flush()
     assert an.findings == {}

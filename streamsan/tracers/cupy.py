@@ -563,7 +563,7 @@ class CupyTracer:
         for ev in inner:
             if ev[0] in _PRE:
                 if fresh and ev[0] == E.ALLOC and not ev[7] and ev[2] in fresh:
-                    ev = ev[:7] + (fresh[ev[2]],)
+                    ev = ev[:7] + (fresh[ev[2]],) + ev[8:]  # (the description; the pool stays)
                 evs.append(ev)
             else:
                 after.append(ev)
