@@ -32,6 +32,19 @@ def refuse(x: torch.Tensor) -> torch.Tensor:
     raise ValueError("refused")
 
 
+@torch.library.custom_op("streamsan_test::opaque", mutates_args=())
+def opaque(x: torch.Tensor) -> torch.Tensor:
+    with torch._C._DisableTorchDispatch():  # (work the tracer cannot see: a pybind extension's kernel)
+        return x * 3
+
+
+@torch.library.custom_op("streamsan_test::opaque_into", mutates_args=("out",))
+def opaque_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    out[2:].zero_()  # seen; the rest is not
+    with torch._C._DisableTorchDispatch():
+        out[:2].copy_(x[:2])
+
+
 _LIB = torch.library.Library("streamsan_test", "FRAGMENT")
 _LIB.define("halve(Tensor x) -> Tensor")
 _LIB.impl("halve", lambda x: x / 2, "CPU")
@@ -72,6 +85,25 @@ def test_the_ops_inside_a_python_implementation_are_traced(traced, call, inner):
     assert findings(tracer, analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, inner), base, base + 16)]
 
 
+def test_an_implementation_whose_work_is_not_seen_is_one_access_by_its_schema(traced):
+    """flash-attn's custom ops wrap a pybind extension: without the op's own access its kernel would be lost."""
+    tracer, analyzer, host = traced
+    torch.ops.streamsan_test.opaque(host[:4])
+    base = host.untyped_storage().data_ptr()
+    assert findings(tracer, analyzer) == [
+        (HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "streamsan_test::opaque"), base, base + 16)]
+
+
+def test_an_implementation_that_writes_its_outputs_only_in_part_is_one_access_too(traced):
+    tracer, analyzer, host = traced
+    out = torch.zeros(4)
+    pin(tracer, out, what="float32[4]")
+    torch.ops.streamsan_test.opaque_into(host[4:8], out)
+    base = host.untyped_storage().data_ptr()
+    assert findings(tracer, analyzer) == [
+        (HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "streamsan_test::opaque_into"), base + 16, base + 32)]
+
+
 def test_an_implementation_that_raises_raises_as_without_streamsan(traced):
     tracer, analyzer, host = traced
     with pytest.raises(ValueError, match="refused"):
@@ -90,3 +122,21 @@ def test_an_implementation_that_raises_raises_as_without_streamsan(traced):
 def test_which_kernels_are_python(op, keys):
     got = OpPlan(op()).python_kernel
     assert (None if got is None else tuple(k.name if k is not None else None for k in got)) == keys
+
+
+def test_flushes_inside_the_implementation_are_seen_through():
+    """The buffer hands its events to the analysis while the implementation runs (here after every op): the ops
+    it traced are still found, and the custom op is no access of its own."""
+    analyzer = Analyzer()
+    tracer = TorchTracer(EventBuffer([analyzer.feed], batch=1))
+    host = torch.arange(16, dtype=torch.float32)
+    st = host.untyped_storage()
+    tracer.buffer.events.append(E.stream(SIDE, 0, 0x1000))
+    pin(tracer, host, what="float32[16]")
+    tracer.buffer.events.append(E.op(SIDE, "aten::copy_", writes=[E.rng(E.PINNED, st.data_ptr(), st.nbytes())]))
+    tracer.start()
+    torch.ops.streamsan_test.double_it(host[:4])
+    assert tracer.buffer.consumers == [analyzer.feed]  # (the tap is gone)
+    base = st.data_ptr()
+    assert findings(tracer, analyzer) == [
+        (HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "aten::mul.Tensor"), base, base + 16)]

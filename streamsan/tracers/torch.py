@@ -213,6 +213,11 @@ def _schema_hides_accesses(schema, base: str) -> bool:
                                         for r in schema.returns)
 
 
+def _covers(w, r) -> bool:
+    """Whether range w holds all of range r's bytes (same space)."""
+    return w[0] == r[0] and w[1] <= r[1] and r[1] + r[2] <= w[1] + w[2]
+
+
 def _python_kernel_call(func, keys, args, kwargs):
     """What runs an op's Python implementation for these arguments (:func:`_python_kernel`), or None."""
     cuda = any(t.is_cuda for v in itertools.chain(args, kwargs.values() if kwargs else ()) for t in _plain_tensors(v))
@@ -334,11 +339,13 @@ class _Mode(TorchDispatchMode):
             tracer = self.tracer
             plan = tracer.plans.get(id(func)) or tracer._plan(func)
             call = plan.decompose
-            if call is None and plan.python_kernel is not None:
-                call = _python_kernel_call(func, plan.python_kernel, args, kwargs)
             if call is not None:
                 with self:  # (the mode is off inside its own handler: on again for the ops inside)
                     return call(*args, **(kwargs or {}))
+            if plan.python_kernel is not None:
+                call = _python_kernel_call(func, plan.python_kernel, args, kwargs)
+                if call is not None:
+                    return tracer._run_python_kernel(self, plan, call, args, kwargs or {})
             if types:  # tensor subclasses (plain tensors give none)
                 kind = _subclass_kind(types)
                 if kind == _MEMORYLESS:
@@ -2064,6 +2071,45 @@ class TorchTracer:
         op = (E.OP, a, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0)
         self._place(evs, mark, op, out, pre)
         self._commit(evs)
+        return out
+
+    def _run_python_kernel(self, mode, plan, call, args, kwargs):
+        """Run an op's Python implementation with the mode on (``mode``: the one whose handler this is), so its
+        ops are traced on the streams they run on. Its own work may be invisible (a pybind extension launching
+        kernels, as flash-attn's custom ops wrap theirs): unless traced ops inside wrote every tensor the op
+        writes by its schema (a result, an ``(a!)`` argument), or, for an op that writes none, traced ops ran
+        inside at all, the op is also one access by its schema, on the stream current when it was called."""
+        dev = next((t.get_device() for v in itertools.chain(args, kwargs.values()) for t in _plain_tensors(v)
+                    if t.is_cuda), -1)
+        agent = self.agent(dev, _cuda_raw_stream(dev)) if dev >= 0 else E.HOST
+        buf = self.buffer
+        flushed = []  # the batches flushed meanwhile: the first holds the events before the call too
+        tap = flushed.append
+        buf.consumers.append(tap)
+        evs = buf.events
+        mark = len(evs)
+        try:
+            with mode:
+                out = call(*args, **kwargs)  # (an error inside is the program's, raised as is)
+        finally:
+            buf.consumers.remove(tap)
+        if not self.tracing:
+            return out
+        reads, writes = self._args_ranges(plan, args, kwargs)
+        self._outputs(out, writes)
+        lists = flushed + [buf.events]
+        if any(x is evs for x in lists):
+            lists = lists[next(i for i, x in enumerate(lists) if x is evs):]
+            inner = [ev for x in lists[1:] for ev in x]
+            inner[:0] = evs[mark:]
+            written = [r for ev in inner if ev[0] == E.OP for r in ev[4]]
+            if writes and all(any(_covers(w, r) for w in written) for r in writes):
+                return out
+            if not writes and any(ev[0] == E.OP for ev in inner):
+                return out
+        if reads or writes:
+            self._emit((E.OP, agent, plan.name, tuple(reads), tuple(writes), self.stacks.outside(self.buffer.events),
+                        self.ctx, 0))
         return out
 
     def _args_ranges(self, plan, args, kwargs):
