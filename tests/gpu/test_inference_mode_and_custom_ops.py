@@ -124,3 +124,30 @@ def test_record_stream_does_not_protect_cupy_memory(san):
     _, got = san(program)
     assert got and {g[0] for g in got} == {"missing-record-stream"}
     assert {(g[1], g[3], g[4]) for g in got} == {("reader", "cp_stream", "allocation")}
+
+
+@torch.library.custom_op("streamsan_gpu_test::opaque_scale", mutates_args=())
+def opaque_scale(x: torch.Tensor) -> torch.Tensor:
+    with torch._C._DisableTorchDispatch():  # (a pybind extension's kernel, as flash-attn's custom ops wrap theirs)
+        return x * 3
+
+
+@opaque_scale.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_whose_work_is_not_seen_is_one_access_by_its_schema(san):
+    def program():
+        side = torch.cuda.Stream()
+        x = torch.zeros(N, device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SPIN)
+            x.fill_(1.0)
+        y = torch.ops.streamsan_gpu_test.opaque_scale(x)  # never waits for side
+        torch.cuda.synchronize()
+        return y
+
+    _, got = san(program)
+    assert got == [("device-device", "side", "aten::fill_.Scalar", "default", "streamsan_gpu_test::opaque_scale")]
