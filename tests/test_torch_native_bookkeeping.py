@@ -52,6 +52,43 @@ def test_a_gradient_in_a_list_argument_is_recorded(tracer):
         (E.RECORD_STREAM, 0, base(grad), CONSUMER, ENGINE_STACK)]
 
 
+def test_a_gradient_a_hook_reads_is_not_recorded(tracer):
+    """A hook's op (Python frames, no custom backward around it) reading a gradient on a stream of its own (a
+    pipeline stage's boundary copy): the engine records nothing there."""
+    grad, other = cuda_like(4), cuda_like(4)
+    run(tracer, torch.ops.aten.mul.Tensor, (other, other), grad, ENGINE_STACK)
+    assert run(tracer, torch.ops.aten.add.Tensor, (grad, other), cuda_like(4), HOOK_STACK) == []
+
+
+def test_a_gradient_a_custom_backward_reads_is_recorded(tracer):
+    grad, other = cuda_like(4), cuda_like(4)
+    run(tracer, torch.ops.aten.mul.Tensor, (other, other), grad, ENGINE_STACK)
+    got = {}
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            got["backward"] = run(tracer, torch.ops.aten.add.Tensor, (grad, other), cuda_like(4), HOOK_STACK)
+            return g * 2
+
+    x = torch.ones(3, requires_grad=True)
+    y = Scale.apply(x)
+
+    def hook(key):
+        def read(_):
+            got[key] = run(tracer, torch.ops.aten.add.Tensor, (grad, other), cuda_like(4), HOOK_STACK)
+        return read
+
+    y.register_hook(hook("hook"))
+    x.register_post_accumulate_grad_hook(hook("post"))
+    y.sum().backward()
+    assert got == {"backward": [(E.RECORD_STREAM, 0, base(grad), CONSUMER, HOOK_STACK)], "hook": [], "post": []}
+
+
 def test_what_an_unpack_hook_makes_is_not_recorded(tracer):
     unpacked = cuda_like(4)
     run(tracer, torch.ops.aten.mul.Tensor, (cuda_like(4), cuda_like(4)), unpacked, HOOK_STACK)  # Python frames

@@ -213,6 +213,21 @@ def _schema_hides_accesses(schema, base: str) -> bool:
                                         for r in schema.returns)
 
 
+def _in_custom_backward() -> bool:
+    """Whether a Python caller runs inside a custom ``autograd.Function``'s backward (the engine calls it through
+    ``BackwardCFunction.apply`` in torch/autograd/function.py), rather than in a hook the engine calls directly."""
+    f = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        if code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
+            return True
+        f = f.f_back
+    return False
+
+
+_FUNCTION_PY = os.path.join("torch", "autograd", "function.py")
+
+
 def _covers(w, r) -> bool:
     """Whether range w holds all of range r's bytes (same space)."""
     return w[0] == r[0] and w[1] <= r[1] and r[1] + r[2] <= w[1] + w[2]
@@ -1801,15 +1816,20 @@ class TorchTracer:
         to the nodes that consume them, and when a consumer runs on another stream it records the gradient on that
         stream, in C++ (``record_stream``, unseen by a dispatch mode). Gradients are what the engine's own
         backward formulas make (ops without Python frames: not the tensors pack / unpack hooks or the forward
-        pass made), so: the outputs of such ops are remembered as gradients, and each gradient an engine op reads
-        is recorded on that op's stream."""
+        pass made), so: the outputs of such ops are remembered as gradients, and each gradient read by an op of a
+        backward node (a formula, or a custom ``autograd.Function``'s ``backward``) is recorded on that op's stream.
+        Ops of hooks (``Tensor.register_hook``, post-accumulate-grad hooks) are not the node's: a hook that reads a
+        gradient on a stream of its own gets no record from the engine (pipeline stages' boundary copies, FSDP-like
+        gradient reduction), so a free of that gradient without ``record_stream`` is the program's to answer for."""
         grads = self._engine_grads
-        if plan.fresh_outputs and stack in self._engine_sids:
+        own = stack in self._engine_sids
+        if plan.fresh_outputs and own:
             for t in _plain_tensors(out):
                 if t.is_cuda:
                     grads.add(t.untyped_storage().data_ptr())
         if not grads:
             return
+        node = None  # (whether the op is a node's: known at the first gradient it reads)
         nargs = len(args)
         for pos, name, is_write, _is_list in plan.tensor_args:
             if is_write:
@@ -1818,7 +1838,10 @@ class TorchTracer:
                 if t.is_cuda and t.layout is _STRIDED:
                     base = t.untyped_storage().data_ptr()
                     if base in grads:
-                        evs.append((E.RECORD_STREAM, t.get_device(), base, a, stack))
+                        if node is None:
+                            node = own or _in_custom_backward()
+                        if node:
+                            evs.append((E.RECORD_STREAM, t.get_device(), base, a, stack))
 
     def _staged_write(self, evs, t, r, stack, ctx) -> None:
         """Before an asynchronous copy out of pinned memory: the host's writes to it that no traced call showed
