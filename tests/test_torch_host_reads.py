@@ -12,21 +12,13 @@ from streamsan.analyzer import Analyzer  # noqa: E402
 from streamsan.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch import TorchTracer  # noqa: E402
-from torch_kit import pin  # noqa: E402
-
-SIDE = 1
+from torch_kit import SIDE, pin, pinned_after_copy  # noqa: E402
 
 
 @pytest.fixture
 def traced():
     """(tracer, analyzer, pinned tensor): the tensor's memory was just written by a D2H copy on stream SIDE."""
-    analyzer = Analyzer()
-    tracer = TorchTracer(EventBuffer([analyzer.feed]))
-    host = torch.arange(16, dtype=torch.float32)
-    st = host.untyped_storage()
-    tracer.buffer.events.append(E.stream(SIDE, 0, 0x1000))
-    pin(tracer, host, what="float32[16]")
-    tracer.buffer.events.append(E.op(SIDE, "aten::copy_", writes=[E.rng(E.PINNED, st.data_ptr(), st.nbytes())]))
+    tracer, analyzer, host = pinned_after_copy()
     tracer.start()
     try:
         yield tracer, analyzer, host

@@ -9,36 +9,21 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from streamsan import events as E  # noqa: E402
-from streamsan.analyzer import Analyzer  # noqa: E402
 from streamsan.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch import OpPlan, TorchTracer  # noqa: E402
-from torch_kit import pin  # noqa: E402
+from torch_kit import SIDE, findings_after, pinned_after_copy  # noqa: E402
 
-SIDE = 1
 
 
 @pytest.fixture
 def traced():
-    analyzer = Analyzer()
-    tracer = TorchTracer(EventBuffer([analyzer.feed]))
-    host = torch.arange(16, dtype=torch.float32)
-    st = host.untyped_storage()
-    tracer.buffer.events.append(E.stream(SIDE, 0, 0x1000))
-    pin(tracer, host, what="float32[16]")
-    tracer.buffer.events.append(E.op(SIDE, "aten::copy_", writes=[E.rng(E.PINNED, st.data_ptr(), st.nbytes())]))
+    tracer, analyzer, host = pinned_after_copy()
     tracer.start()
     try:
         yield tracer, analyzer, host
     finally:
         tracer.stop()
-
-
-def findings(tracer, analyzer):
-    tracer.stop()
-    analyzer.finish()
-    return [(f.kind, (f.previous.agent, f.previous.name), (f.current.agent, f.current.name), f.lo, f.hi)
-            for f in analyzer.sorted_findings()]
 
 
 @pytest.mark.parametrize("convert, op, elements", [
@@ -56,7 +41,7 @@ def test_a_copying_composite_op_reads_its_input(traced, convert, op, elements):
     assert out.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()  # (a copy indeed)
     base = host.untyped_storage().data_ptr()
     lo, hi = (base + 4 * e for e in elements)
-    assert findings(tracer, analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, op), lo, hi)]
+    assert findings_after(tracer, analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, op), lo, hi)]
 
 
 @pytest.mark.parametrize("keep", [
@@ -75,7 +60,7 @@ def test_a_composite_op_that_returns_its_input_touches_nothing(traced, keep):
     with torch.inference_mode():
         out = keep(host)
     assert out.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
-    assert findings(tracer, analyzer) == []
+    assert findings_after(tracer, analyzer) == []
 
 
 def test_outside_inference_mode_the_same_ops_give_the_same_findings(traced):
@@ -83,7 +68,7 @@ def test_outside_inference_mode_the_same_ops_give_the_same_findings(traced):
     host.view(4, 4).t().reshape(16)
     torch.nn.functional.dropout(host, 0.5, training=False)
     base = host.untyped_storage().data_ptr()
-    assert findings(tracer, analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "aten::clone"), base,
+    assert findings_after(tracer, analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "aten::clone"), base,
                                            base + 64)]
 
 
@@ -117,7 +102,7 @@ def test_batch_norm_in_training_writes_its_running_statistics(traced):
     with torch.inference_mode():
         torch.nn.functional.batch_norm(torch.randn(4, 8), host[:8], host[8:], training=True)
     base = host.untyped_storage().data_ptr()
-    got = findings(tracer, analyzer)
+    got = findings_after(tracer, analyzer)
     assert [(k, prev, cur[0], lo - base, hi - base) for k, prev, cur, lo, hi in got] == [
         (HOST_DEVICE, (SIDE, "aten::copy_"), E.HOST, 0, 64)]
     assert got[0][2][1] in ("aten::native_batch_norm", "aten::_native_batch_norm_legit")
@@ -127,16 +112,10 @@ def test_batch_norm_in_training_writes_its_running_statistics(traced):
 def test_batch_norm_writes_the_running_statistics_only_in_training(training, expected):
     """Outside inference mode too: a copy on SIDE reads the statistics (a checkpoint); the host's batch norm then
     updates them in training (a write the kernel's schema does not annotate), and only reads them in eval."""
-    analyzer = Analyzer()
-    tracer = TorchTracer(EventBuffer([analyzer.feed]))
-    stats = torch.zeros(16)
-    st = stats.untyped_storage()
-    tracer.buffer.events.append(E.stream(SIDE, 0, 0x1000))
-    pin(tracer, stats, what="float32[16]")
-    tracer.buffer.events.append(E.op(SIDE, "aten::copy_", reads=[E.rng(E.PINNED, st.data_ptr(), st.nbytes())]))
+    tracer, analyzer, stats = pinned_after_copy(copy_writes=False)
     tracer.start()
     torch.nn.functional.batch_norm(torch.randn(4, 8), stats[:8], stats[8:], training=training)
-    base = st.data_ptr()
-    got = findings(tracer, analyzer)
+    base = stats.untyped_storage().data_ptr()
+    got = findings_after(tracer, analyzer)
     assert [(cur[1], lo - base, hi - base) for _k, _prev, cur, lo, hi in got] == expected
     assert all(k == HOST_DEVICE and prev == (SIDE, "aten::copy_") for k, prev, _c, _lo, _hi in got)

@@ -8,13 +8,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from streamsan import events as E  # noqa: E402
-from streamsan.analyzer import Analyzer  # noqa: E402
 from streamsan.findings import HOST_DEVICE  # noqa: E402
-from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import OpPlan, TorchTracer  # noqa: E402
-from torch_kit import pin  # noqa: E402
+from streamsan.tracers.torch import OpPlan  # noqa: E402
+from torch_kit import SIDE, findings_after, pin, pinned_after_copy  # noqa: E402
 
-SIDE = 1
 
 
 @torch.library.custom_op("streamsan_test::double_it", mutates_args=())
@@ -52,25 +49,12 @@ _LIB.impl("halve", lambda x: x / 2, "CPU")
 
 @pytest.fixture
 def traced():
-    analyzer = Analyzer()
-    tracer = TorchTracer(EventBuffer([analyzer.feed]))
-    host = torch.arange(16, dtype=torch.float32)
-    st = host.untyped_storage()
-    tracer.buffer.events.append(E.stream(SIDE, 0, 0x1000))
-    pin(tracer, host, what="float32[16]")
-    tracer.buffer.events.append(E.op(SIDE, "aten::copy_", writes=[E.rng(E.PINNED, st.data_ptr(), st.nbytes())]))
+    tracer, analyzer, host = pinned_after_copy()
     tracer.start()
     try:
         yield tracer, analyzer, host
     finally:
         tracer.stop()
-
-
-def findings(tracer, analyzer):
-    tracer.stop()
-    analyzer.finish()
-    return [(f.kind, (f.previous.agent, f.previous.name), (f.current.agent, f.current.name), f.lo, f.hi)
-            for f in analyzer.sorted_findings()]
 
 
 @pytest.mark.parametrize("call, inner", [
@@ -82,7 +66,7 @@ def test_the_ops_inside_a_python_implementation_are_traced(traced, call, inner):
     tracer, analyzer, host = traced
     call(host)
     base = host.untyped_storage().data_ptr()
-    assert findings(tracer, analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, inner), base, base + 16)]
+    assert findings_after(tracer, analyzer) == [(HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, inner), base, base + 16)]
 
 
 def test_an_implementation_whose_work_is_not_seen_is_one_access_by_its_schema(traced):
@@ -90,7 +74,7 @@ def test_an_implementation_whose_work_is_not_seen_is_one_access_by_its_schema(tr
     tracer, analyzer, host = traced
     torch.ops.streamsan_test.opaque(host[:4])
     base = host.untyped_storage().data_ptr()
-    assert findings(tracer, analyzer) == [
+    assert findings_after(tracer, analyzer) == [
         (HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "streamsan_test::opaque"), base, base + 16)]
 
 
@@ -100,7 +84,7 @@ def test_an_implementation_that_writes_its_outputs_only_in_part_is_one_access_to
     pin(tracer, out, what="float32[4]")
     torch.ops.streamsan_test.opaque_into(host[4:8], out)
     base = host.untyped_storage().data_ptr()
-    assert findings(tracer, analyzer) == [
+    assert findings_after(tracer, analyzer) == [
         (HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "streamsan_test::opaque_into"), base + 16, base + 32)]
 
 
@@ -127,16 +111,10 @@ def test_which_kernels_are_python(op, keys):
 def test_flushes_inside_the_implementation_are_seen_through():
     """The buffer hands its events to the analysis while the implementation runs (here after every op): the ops
     it traced are still found, and the custom op is no access of its own."""
-    analyzer = Analyzer()
-    tracer = TorchTracer(EventBuffer([analyzer.feed], batch=1))
-    host = torch.arange(16, dtype=torch.float32)
-    st = host.untyped_storage()
-    tracer.buffer.events.append(E.stream(SIDE, 0, 0x1000))
-    pin(tracer, host, what="float32[16]")
-    tracer.buffer.events.append(E.op(SIDE, "aten::copy_", writes=[E.rng(E.PINNED, st.data_ptr(), st.nbytes())]))
+    tracer, analyzer, host = pinned_after_copy(batch=1)
     tracer.start()
     torch.ops.streamsan_test.double_it(host[:4])
     assert tracer.buffer.consumers == [analyzer.feed]  # (the tap is gone)
-    base = st.data_ptr()
-    assert findings(tracer, analyzer) == [
+    base = host.untyped_storage().data_ptr()
+    assert findings_after(tracer, analyzer) == [
         (HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "aten::mul.Tensor"), base, base + 16)]

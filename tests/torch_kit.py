@@ -27,3 +27,34 @@ def pin(tracer, host, what=""):
     st = host.untyped_storage()
     tracer.buffer.events.append(E.alloc(E.PINNED, st.data_ptr(), st.nbytes(), E.HOST, what=what))
     tracer.pinned[st.data_ptr()] = st.nbytes()
+
+
+SIDE = 1  # the stream of the copy that wrote or read a pinned block (pinned_after_copy)
+
+
+def pinned_after_copy(n=16, batch=512, copy_writes=True):
+    """(tracer, analyzer, host): a tracer (not started) feeding an analyzer, and a pinned block of ``n`` float32
+    (``arange``) that a copy on stream SIDE has just written (or read: ``copy_writes=False``), which nothing
+    waits for."""
+    from streamsan.analyzer import Analyzer
+    from streamsan.sink import EventBuffer
+    from streamsan.tracers.torch import TorchTracer
+
+    analyzer = Analyzer()
+    tracer = TorchTracer(EventBuffer([analyzer.feed], batch=batch))
+    host = torch.arange(n, dtype=torch.float32)
+    st = host.untyped_storage()
+    tracer.buffer.events.append(E.stream(SIDE, 0, 0x1000))
+    pin(tracer, host, what=f"float32[{n}]")
+    r = [E.rng(E.PINNED, st.data_ptr(), st.nbytes())]
+    tracer.buffer.events.append(E.op(SIDE, "aten::copy_", writes=r) if copy_writes else
+                                E.op(SIDE, "aten::copy_", reads=r))
+    return tracer, analyzer, host
+
+
+def findings_after(tracer, analyzer):
+    """Stop tracing and analyze: (kind, (agent, op) before, (agent, op) after, lo, hi) of each finding."""
+    tracer.stop()
+    analyzer.finish()
+    return [(f.kind, (f.previous.agent, f.previous.name), (f.current.agent, f.current.name), f.lo, f.hi)
+            for f in analyzer.sorted_findings()]
