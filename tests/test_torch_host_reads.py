@@ -12,18 +12,11 @@ from streamsan.analyzer import Analyzer  # noqa: E402
 from streamsan.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch import TorchTracer  # noqa: E402
-from torch_kit import SIDE, pin, pinned_after_copy  # noqa: E402
+from torch_kit import SIDE, pin, traced_after_copy  # noqa: E402
 
 
-@pytest.fixture
-def traced():
-    """(tracer, analyzer, pinned tensor): the tensor's memory was just written by a D2H copy on stream SIDE."""
-    tracer, analyzer, host = pinned_after_copy()
-    tracer.start()
-    try:
-        yield tracer, analyzer, host
-    finally:
-        tracer.stop()
+# (tracer, analyzer, pinned tensor): its memory was just written by a copy on stream SIDE
+traced = pytest.fixture(traced_after_copy, name="traced")
 
 
 def finding(analyzer):

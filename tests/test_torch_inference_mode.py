@@ -12,18 +12,12 @@ from streamsan import events as E  # noqa: E402
 from streamsan.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch import OpPlan, TorchTracer  # noqa: E402
-from torch_kit import SIDE, findings_after, pinned_after_copy  # noqa: E402
+from torch_kit import SIDE, findings_after, pinned_after_copy, traced_after_copy  # noqa: E402
 
 
 
-@pytest.fixture
-def traced():
-    tracer, analyzer, host = pinned_after_copy()
-    tracer.start()
-    try:
-        yield tracer, analyzer, host
-    finally:
-        tracer.stop()
+# (tracer, analyzer, pinned tensor): its memory was just written by a copy on stream SIDE
+traced = pytest.fixture(traced_after_copy, name="traced")
 
 
 @pytest.mark.parametrize("convert, op, elements", [

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 from streamsan import events as E  # noqa: E402
 from streamsan.findings import HOST_DEVICE  # noqa: E402
 from streamsan.tracers.torch import OpPlan  # noqa: E402
-from torch_kit import SIDE, findings_after, pin, pinned_after_copy  # noqa: E402
+from torch_kit import SIDE, findings_after, pin, pinned_after_copy, traced_after_copy  # noqa: E402
 
 
 
@@ -47,14 +47,8 @@ _LIB.define("halve(Tensor x) -> Tensor")
 _LIB.impl("halve", lambda x: x / 2, "CPU")
 
 
-@pytest.fixture
-def traced():
-    tracer, analyzer, host = pinned_after_copy()
-    tracer.start()
-    try:
-        yield tracer, analyzer, host
-    finally:
-        tracer.stop()
+# (tracer, analyzer, pinned tensor): its memory was just written by a copy on stream SIDE
+traced = pytest.fixture(traced_after_copy, name="traced")
 
 
 @pytest.mark.parametrize("call, inner", [

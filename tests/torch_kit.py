@@ -58,3 +58,13 @@ def findings_after(tracer, analyzer):
     analyzer.finish()
     return [(f.kind, (f.previous.agent, f.previous.name), (f.current.agent, f.current.name), f.lo, f.hi)
             for f in analyzer.sorted_findings()]
+
+
+def traced_after_copy():
+    """A fixture body: (tracer, analyzer, host) of :func:`pinned_after_copy`, tracing until the test ends."""
+    tracer, analyzer, host = pinned_after_copy()
+    tracer.start()
+    try:
+        yield tracer, analyzer, host
+    finally:
+        tracer.stop()
