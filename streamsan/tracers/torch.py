@@ -4,8 +4,12 @@ What it watches:
 
 * every aten op, through a ``TorchDispatchMode``: its read and write sets from the schema's alias information
   (in-place and ``out=`` arguments are writes, fresh outputs are writes, view and metadata-only arguments are
-  not accesses), as byte ranges of device memory or pinned host memory, on the stream current at dispatch;
-  ops on pinned CPU tensors with no CUDA tensor involved are host accesses;
+  not accesses; optional tensors are), as byte ranges of device memory or pinned host memory, on the stream
+  current at dispatch; ops on pinned CPU tensors with no CUDA tensor involved are host accesses. Where the
+  schema does not tell, the op's own ops are traced instead: composite ops that inference mode hands over whole
+  (``to``, ``reshape``, ``dropout``... through their C++ kernel) and ops implemented in Python (custom ops, with
+  the mode on; one access by their schema too where their own work is not seen); batch norm writes its running
+  statistics in training;
 * events, waits, synchronizations, allocations and frees, through PyTorch's GPU trace callbacks;
 * what those miss: ``record_stream`` (an aten op), ``Event.query()`` / ``Stream.query()`` returning True
   (patched, on ``torch.cuda`` and on the generic ``torch.Event`` / ``torch.Stream``), copies into pageable
@@ -134,10 +138,10 @@ class OpPlan:
     ``training_args``: for batch norm kernels, the training flag's position and the tensor arguments when it is
     true (the running statistics written: :data:`STATISTICS_WRITES`).
     ``decompose``: for a composite op whose schema hides what it touches (``to``, ``reshape``, ``contiguous``:
-    the input itself or a copy; ``dropout``, ``batch_norm``...), its C++ composite kernel (else None). PyTorch runs composite ops whole through
-    the dispatch mode only in inference mode (elsewhere they decompose before it); the tracer runs that kernel,
-    so it sees the copies they make (``_to_copy``, ``clone``) and nothing where they make none, as outside
-    inference mode.
+    the input itself or a copy; ``dropout``, ``batch_norm``...), its C++ composite kernel (else None). PyTorch
+    runs composite ops whole through the dispatch mode only in inference mode (elsewhere they decompose before
+    it); the tracer runs that kernel, so it sees the copies they make (``_to_copy``, ``clone``) and nothing where
+    they make none, as outside inference mode.
     ``call``: what runs the op (:func:`_direct_call`). ``fast``: what the C tracer reads (``streamsan/_ctracer.c``):
     (kind, call, name, tensor_args, fresh_outputs, is_copy), kind 0 for ops only the Python path handles.
     """
