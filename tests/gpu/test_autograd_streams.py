@@ -165,11 +165,47 @@ def grad_hook_reads_on_side_stream():
     torch.cuda.synchronize()
 
 
+def _hook_reads_gradient_on_side_stream(record):
+    """A pipeline stage's boundary hook: the gradient of h is read on a side stream (its "send"), after the side
+    stream waited for the backward; the engine then hands the gradient on to h's own backward node and frees it.
+    The engine records gradients only on the stream of the node that consumes them, never on a hook's stream:
+    without ``record_stream`` the allocator may give the block to the default stream's next allocation while the
+    side stream still reads it (pytorch/pytorch#33909)."""
+    s = side()
+    x = leaf()
+    out = {}
+
+    def hook(g):
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(1_000_000)
+            out["sent"] = g * 2
+        if record:
+            g.record_stream(s)
+        return None
+
+    h = x * 3
+    h.register_hook(hook)
+    (h * h).sum().backward()
+    out["next"] = x.grad + 1  # the default stream's next allocation, which may get the gradient's block
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+
+
+def grad_hook_side_read_then_freed():
+    _hook_reads_gradient_on_side_stream(record=False)
+
+
+def grad_hook_side_read_recorded():
+    _hook_reads_gradient_on_side_stream(record=True)
+
+
 SCENARIOS = [
     training_step_one_stream, grads_used_in_backward_stream_context, grads_used_after_wait_stream,
     backward_from_default_after_side_forward, initial_grad_in_same_context, initial_grad_synchronized,
     grad_hook_waits_for_backward_stream, grads_used_outside_backward_stream_context,
-    initial_grad_from_other_stream, grad_hook_reads_on_side_stream,
+    initial_grad_from_other_stream, grad_hook_reads_on_side_stream, grad_hook_side_read_then_freed,
+    grad_hook_side_read_recorded,
 ]
 
 EXPECTED = {
@@ -189,6 +225,10 @@ EXPECTED = {
     "grad_hook_reads_on_side_stream": [
         ("device-device", "default", "aten::mul.Tensor", "side", "aten::mul.Tensor"),
     ],
+    "grad_hook_side_read_then_freed": [
+        ("missing-record-stream", "side", "aten::mul.Tensor", "default", "allocation"),
+    ],
+    "grad_hook_side_read_recorded": [],
 }
 
 
