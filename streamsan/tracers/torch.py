@@ -371,7 +371,7 @@ class _Mode(TorchDispatchMode):
                     return func(*args, **(kwargs or {}))
                 if kind == _WRAPPER:
                     return self.tracer._dispatch_wrapped(func, args, kwargs or {})
-            return tracer._dispatch(func, args, kwargs or {})
+            return tracer._dispatch(func, args, kwargs or {}, plan)
         except Exception as exc:
             ran = self.tracer._internal_error(exc, func)
             if ran is None:  # the op's own error: the program sees it as without streamsan
@@ -1608,8 +1608,9 @@ class TorchTracer:
             plan = self.plans[id(func)] = OpPlan(func)
         return plan
 
-    def _dispatch(self, func, args, kwargs):
-        plan = self.plans.get(id(func)) or self._plan(func)
+    def _dispatch(self, func, args, kwargs, plan=None):
+        if plan is None:
+            plan = self.plans.get(id(func)) or self._plan(func)
         if kwargs and kwargs.get("pin_memory"):
             return self._dispatch_pinning(func, plan, args, kwargs)
         if plan.skip:
