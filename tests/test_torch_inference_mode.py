@@ -47,13 +47,29 @@ def test_a_copying_composite_op_reads_its_input(traced, convert, op, elements):
     lambda t: torch.nn.functional.dropout(t, 0.0, training=True),
     lambda t: t.type_as(t),
     lambda t: torch.atleast_2d(t),
+    lambda t: torch.cartesian_prod(t),
+    lambda t: torch.conj_physical(t),
+    lambda t: torch.unsafe_chunk(t, 2)[1],
+    lambda t: torch.broadcast_tensors(t, torch.zeros(3, 1))[0],
+    lambda t: torch.meshgrid(t, indexing="ij")[0],
 ])
 def test_a_composite_op_that_returns_its_input_touches_nothing(traced, keep):
-    """Before: ``dropout`` and ``type_as`` (fresh results by their schemas) read their input and wrote it."""
+    """Before: ``dropout`` and ``type_as`` (fresh results by their schemas) read their input and wrote it. The
+    list is what PyTorch's op database's samples show in inference mode (tests/test_torch_schema_audit.py):
+    composite ops whose result is their input, or a view of it, though their schema says new memory."""
     tracer, analyzer, host = traced
     with torch.inference_mode():
         out = keep(host)
     assert out.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
+    assert findings_after(tracer, analyzer) == []
+
+
+def test_unsafe_split_is_views(traced):
+    """``torch.unsafe_chunk`` outside inference mode: ``unsafe_split`` returns views of its input (no kernel),
+    though its schema says new tensors."""
+    tracer, analyzer, host = traced
+    parts = torch.unsafe_chunk(host, 4)
+    assert parts[3].untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
     assert findings_after(tracer, analyzer) == []
 
 

@@ -81,6 +81,7 @@ NO_ACCESS = frozenset({
     "data", "is_same_size", "_version", "set_data", "_fw_primal", "_make_dual", "_unpack_dual", "resize_",
     "wait_tensor",  # _c10d_functional: makes the current stream wait for the collective (an event wait)
     "_unsafe_view",  # a view whose schema does not say so (matmul's reshapes): no kernel, no access
+    "unsafe_split", "unsafe_split_with_sizes",  # views too (torch.unsafe_chunk's)
 })
 # Ops whose CPU output is pinned memory.
 PINNING = frozenset({"_pin_memory", "pin_memory"})
@@ -91,13 +92,15 @@ COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::")
 OWN_KERNELS = ("aten::", "prims::", "c10d::", "_c10d_functional::", "profiler::", "quantized::", "_quantized::",
                "rngprims::", "inductor::", "cuda::")
 COPIES = frozenset({"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "to"})
-# Composite ops whose schema does not say what their kernel touches: a result that may be an input itself
-# (dropout outside training, type_as to the same dtype), inputs written in place (batch_norm's running
-# statistics). They run through their decomposition (OpPlan.decompose).
+# Composite ops whose schema does not say what their kernel touches: a result that may be an input itself or a
+# view of it (dropout outside training, type_as to the same dtype, broadcast_tensors), inputs written in place
+# (batch_norm's running statistics). They run through their decomposition (OpPlan.decompose).
+# tests/test_torch_schema_audit.py checks the list against PyTorch's op database.
 SCHEMA_HIDES = frozenset({
     "dropout", "dropout_", "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
     "feature_alpha_dropout", "feature_alpha_dropout_", "type_as", "atleast_1d", "atleast_2d", "atleast_3d",
-    "to_dense", "batch_norm", "instance_norm", "_batch_norm_impl_index",
+    "to_dense", "batch_norm", "instance_norm", "_batch_norm_impl_index", "cartesian_prod", "conj_physical",
+    "unsafe_chunk", "broadcast_tensors", "meshgrid", "histogramdd",
 })
 # Batch norm kernels that update the running statistics in place without a schema annotation: the position of
 # their ``training`` flag (they write the statistics only in training), or None (they always do).

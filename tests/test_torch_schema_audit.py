@@ -1,0 +1,102 @@
+"""Where op schemas do not say what a kernel touches, checked against PyTorch's own knowledge, so that a new
+torch's ops cannot slip past the tracer's lists (``streamsan/tracers/torch.py``: ``SCHEMA_HIDES``,
+``STATISTICS_WRITES``, ``NO_ACCESS``). CPU only."""
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from streamsan.tracers.torch import OpPlan  # noqa: E402
+
+TRAINING_FLAGS = ("training", "train", "use_input_stats")
+
+
+def _aten_overloads():
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::"):
+            continue
+        packet = getattr(torch.ops.aten, name[len("aten::"):].split(".")[0], None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            yield getattr(packet, overload)
+
+
+def test_every_write_in_training_that_pytorch_knows_of_is_a_write_here():
+    """PyTorch's SchemaInfo knows which arguments a kernel writes in training though its schema does not say so
+    (batch norm's running statistics): each such op is decomposed here, or has those arguments as writes."""
+    info_of = torch._C._SchemaInfo
+    missing, seen = [], 0
+    for op in _aten_overloads():
+        schema = op._schema
+        flags = {a.name: True for a in schema.arguments if a.name in TRAINING_FLAGS}
+        if not flags:
+            continue
+        info = info_of(schema)
+        info.add_argument_values(flags)
+        hidden = [a.name for i, a in enumerate(schema.arguments)
+                  if "Tensor" in str(a.type) and not (a.alias_info is not None and a.alias_info.is_write)
+                  and info.is_mutable(torch._C._SchemaArgument(torch._C._SchemaArgType.input, i))]
+        if not hidden:
+            continue
+        seen += 1
+        plan = OpPlan(op)
+        if plan.decompose is not None:
+            continue
+        written = {n for _p, n, w, _l in (plan.training_args[1] if plan.training_args else ()) if w}
+        if not set(hidden) <= written:
+            missing.append((str(op), hidden))
+    assert seen >= 4 and missing == []
+
+
+@pytest.mark.parametrize("inference", [True, False], ids=["inference_mode", "grad_mode"])
+def test_every_op_that_returns_an_input_though_its_schema_says_new_memory_is_known(inference):
+    """Run PyTorch's op database's samples (in inference mode, composite ops reach a dispatch mode whole): an op
+    whose result shares its input's memory while its schema says new memory must be one the tracer runs
+    through its decomposition, or takes for no access."""
+    pytest.importorskip("expecttest")
+    from torch.testing._internal.common_methods_invocations import op_db
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def storages(x):
+        if isinstance(x, torch.Tensor):
+            try:
+                return {x.untyped_storage().data_ptr()} if x.layout == torch.strided and x.numel() else set()
+            except RuntimeError:
+                return set()
+        if isinstance(x, (list, tuple)):
+            return set().union(*(storages(y) for y in x)) if x else set()
+        return set()
+
+    class Returns(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.aliasing = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            schema = func._schema
+            if schema.returns and all(r.alias_info is None for r in schema.returns):
+                ins = storages(list(args) + list((kwargs or {}).values()))
+                if ins & storages(out):
+                    self.aliasing.add(func)
+            return out
+
+    mode = Returns()
+    warnings.simplefilter("ignore")  # (the samples' own deprecation warnings; pytest restores the filters)
+    for op in op_db:
+        try:
+            samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))[:3]
+        except Exception:
+            continue
+        for s in samples:
+            try:
+                with torch.inference_mode(inference), mode:
+                    op(s.input, *s.args, **s.kwargs)
+            except Exception:
+                continue
+    assert not inference or torch.ops.aten.dropout.default in mode.aliasing  # (the audit sees them)
+    unhandled = sorted(str(f) for f in mode.aliasing if OpPlan(f).decompose is None and not OpPlan(f).skip)
+    assert unhandled == []
