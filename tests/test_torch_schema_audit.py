@@ -100,3 +100,58 @@ def test_every_op_that_returns_an_input_though_its_schema_says_new_memory_is_kno
     assert not inference or torch.ops.aten.dropout.default in mode.aliasing  # (the audit sees them)
     unhandled = sorted(str(f) for f in mode.aliasing if OpPlan(f).decompose is None and not OpPlan(f).skip)
     assert unhandled == []
+
+
+# Functions whose CPU kernels change their input as scratch space (``_fft_c2r``; CUDA's clones it first)
+CPU_SCRATCH = {"fft.hfft2", "fft.hfftn"}
+
+
+def test_every_input_an_op_changes_is_a_write_of_its_plan():
+    """Run PyTorch's op database's samples and compare each op's tensor arguments before and after it: an argument
+    whose values changed must be a write of the tracer's plan for the op (its schema's ``(a!)``, or batch norm's
+    statistics in training)."""
+    pytest.importorskip("expecttest")
+    from torch.testing._internal.common_methods_invocations import op_db
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Changes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.unmarked = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            plan = OpPlan(func)
+            targs = plan.tensor_args
+            if plan.training_args is not None:
+                at = plan.training_args[0]
+                if (args[at] if at < len(args) else kwargs.get("training")) is True:
+                    targs = plan.training_args[1]
+            before = []
+            for pos, name, is_write, is_list in targs:
+                v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
+                for t in (v if is_list and v is not None else (v,)):
+                    if isinstance(t, torch.Tensor) and not is_write and t.layout == torch.strided and t.numel():
+                        before.append((name, t, t.clone()))
+            out = func(*args, **kwargs)
+            for name, t, old in before:
+                if not torch.equal(t, old) and not (t.is_floating_point() and torch.isnan(old).any()):
+                    self.unmarked.add((str(func), name))
+            return out
+
+    mode = Changes()
+    warnings.simplefilter("ignore")
+    for op in op_db:
+        if op.name in CPU_SCRATCH:
+            continue
+        try:
+            samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))[:3]
+        except Exception:
+            continue
+        for s in samples:
+            try:
+                with mode:
+                    op(s.input, *s.args, **s.kwargs)
+            except Exception:
+                continue
+    assert sorted(mode.unmarked) == []
