@@ -24,6 +24,28 @@ def _aten_overloads():
             yield getattr(packet, overload)
 
 
+def _run_samples(mode, inference=False, skip=()):
+    """Every op of PyTorch's op database on its first three CPU float32 samples, under ``mode`` (in inference mode
+    or not); samples that fail are passed over."""
+    pytest.importorskip("expecttest")
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    warnings.simplefilter("ignore")  # (the samples' own deprecation warnings; pytest restores the filters)
+    for op in op_db:
+        if op.name in skip:
+            continue
+        try:
+            samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))[:3]
+        except Exception:
+            continue
+        for s in samples:
+            try:
+                with torch.inference_mode(inference), mode:
+                    op(s.input, *s.args, **s.kwargs)
+            except Exception:
+                continue
+
+
 def test_every_write_in_training_that_pytorch_knows_of_is_a_write_here():
     """PyTorch's SchemaInfo knows which arguments a kernel writes in training though its schema does not say so
     (batch norm's running statistics): each such op is decomposed here, or has those arguments as writes."""
@@ -56,8 +78,6 @@ def test_every_op_that_returns_an_input_though_its_schema_says_new_memory_is_kno
     """Run PyTorch's op database's samples (in inference mode, composite ops reach a dispatch mode whole): an op
     whose result shares its input's memory while its schema says new memory must be one the tracer runs
     through its decomposition, or takes for no access."""
-    pytest.importorskip("expecttest")
-    from torch.testing._internal.common_methods_invocations import op_db
     from torch.utils._python_dispatch import TorchDispatchMode
 
     def storages(x):
@@ -85,18 +105,7 @@ def test_every_op_that_returns_an_input_though_its_schema_says_new_memory_is_kno
             return out
 
     mode = Returns()
-    warnings.simplefilter("ignore")  # (the samples' own deprecation warnings; pytest restores the filters)
-    for op in op_db:
-        try:
-            samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))[:3]
-        except Exception:
-            continue
-        for s in samples:
-            try:
-                with torch.inference_mode(inference), mode:
-                    op(s.input, *s.args, **s.kwargs)
-            except Exception:
-                continue
+    _run_samples(mode, inference)
     assert not inference or torch.ops.aten.dropout.default in mode.aliasing  # (the audit sees them)
     unhandled = sorted(str(f) for f in mode.aliasing if OpPlan(f).decompose is None and not OpPlan(f).skip)
     assert unhandled == []
@@ -110,8 +119,6 @@ def test_every_input_an_op_changes_is_a_write_of_its_plan():
     """Run PyTorch's op database's samples and compare each op's tensor arguments before and after it: an argument
     whose values changed must be a write of the tracer's plan for the op (its schema's ``(a!)``, or batch norm's
     statistics in training)."""
-    pytest.importorskip("expecttest")
-    from torch.testing._internal.common_methods_invocations import op_db
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Changes(TorchDispatchMode):
@@ -140,18 +147,5 @@ def test_every_input_an_op_changes_is_a_write_of_its_plan():
             return out
 
     mode = Changes()
-    warnings.simplefilter("ignore")
-    for op in op_db:
-        if op.name in CPU_SCRATCH:
-            continue
-        try:
-            samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))[:3]
-        except Exception:
-            continue
-        for s in samples:
-            try:
-                with mode:
-                    op(s.input, *s.args, **s.kwargs)
-            except Exception:
-                continue
+    _run_samples(mode, skip=CPU_SCRATCH)
     assert sorted(mode.unmarked) == []
