@@ -41,7 +41,7 @@ class EventBuffer:
                     return
                 self.events = []
                 self.total += len(evs)
-                for consume in self.consumers:
+                for consume in tuple(self.consumers):  # (a tracer may add or remove a tap meanwhile)
                     consume(evs)
             finally:
                 self._flushing = None
