@@ -112,3 +112,15 @@ def test_flushes_inside_the_implementation_are_seen_through():
     base = host.untyped_storage().data_ptr()
     assert findings_after(tracer, analyzer) == [
         (HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "aten::mul.Tensor"), base, base + 16)]
+
+
+def test_on_a_wrapper_subclass_the_subclass_runs_the_op(traced):
+    """DTensor-like wrappers dispatch a custom op themselves (sharding rules): the op is one access of their inner
+    tensors, as for any op on them, and its implementation is not run around them."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    tracer, analyzer, host = traced
+    torch.ops.streamsan_test.double_it(TwoTensor(host[:4], torch.zeros(4)))
+    base = host.untyped_storage().data_ptr()
+    assert findings_after(tracer, analyzer) == [
+        (HOST_DEVICE, (SIDE, "aten::copy_"), (E.HOST, "streamsan_test::double_it"), base, base + 16)]

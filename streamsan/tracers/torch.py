@@ -364,7 +364,7 @@ class _Mode(TorchDispatchMode):
             if call is not None:
                 with self:  # (the mode is off inside its own handler: on again for the ops inside)
                     return call(*args, **(kwargs or {}))
-            if plan.python_kernel is not None:
+            if plan.python_kernel is not None and not types:  # (a subclass's own dispatch handles its ops)
                 call = _python_kernel_call(func, plan.python_kernel, args, kwargs)
                 if call is not None:
                     return tracer._run_python_kernel(self, plan, call, args, kwargs or {})
