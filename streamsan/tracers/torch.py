@@ -90,7 +90,7 @@ PINNING = frozenset({"_pin_memory", "pin_memory"})
 COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::")
 # Namespaces of PyTorch's own ops, whose kernels are C++ (none is looked for in Python: OpPlan.python_kernel).
 OWN_KERNELS = ("aten::", "prims::", "c10d::", "_c10d_functional::", "profiler::", "quantized::", "_quantized::",
-               "rngprims::", "inductor::", "cuda::")
+               "rngprims::", "inductor::")
 COPIES = frozenset({"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "to"})
 # Composite ops whose schema does not say what their kernel touches: a result that may be an input itself or a
 # view of it (dropout outside training, type_as to the same dtype, broadcast_tensors), inputs written in place
@@ -240,15 +240,6 @@ def _covers(w, r) -> bool:
     return w[0] == r[0] and w[1] <= r[1] and r[1] + r[2] <= w[1] + w[2]
 
 
-def _python_kernel_call(func, keys, args, kwargs):
-    """What runs an op's Python implementation for these arguments (:func:`_python_kernel`), or None."""
-    cuda = any(t.is_cuda for v in itertools.chain(args, kwargs.values() if kwargs else ()) for t in _plain_tensors(v))
-    key = keys[0] if cuda else keys[1]
-    if key is None:
-        return None
-    return functools.partial(func._op_dk, key)  # (no frame of its own: an error inside is the program's)
-
-
 def _composite_kernel(func):
     """An op's C++ CompositeImplicitAutograd kernel, as a callable (what runs outside inference mode; not
     ``OpOverload.decompose``, which prefers Python decompositions: ``dropout``'s clones its input), or None."""
@@ -365,9 +356,12 @@ class _Mode(TorchDispatchMode):
                 with self:  # (the mode is off inside its own handler: on again for the ops inside)
                     return call(*args, **(kwargs or {}))
             if plan.python_kernel is not None and not types:  # (a subclass's own dispatch handles its ops)
-                call = _python_kernel_call(func, plan.python_kernel, args, kwargs)
-                if call is not None:
-                    return tracer._run_python_kernel(self, plan, call, args, kwargs or {})
+                kwargs = kwargs or {}
+                dev = next((t.get_device() for v in itertools.chain(args, kwargs.values())
+                            for t in _plain_tensors(v) if t.is_cuda), -1)
+                key = plan.python_kernel[0 if dev >= 0 else 1]
+                if key is not None:
+                    return tracer._run_python_kernel(self, func, plan, key, dev, args, kwargs)
             if types:  # tensor subclasses (plain tensors give none)
                 kind = _subclass_kind(types)
                 if kind == _MEMORYLESS:
@@ -2104,15 +2098,15 @@ class TorchTracer:
         self._commit(evs)
         return out
 
-    def _run_python_kernel(self, mode, plan, call, args, kwargs):
-        """Run an op's Python implementation with the mode on (``mode``: the one whose handler this is), so its
-        ops are traced on the streams they run on. Its own work may be invisible (a pybind extension launching
-        kernels, as flash-attn's custom ops wrap theirs): unless traced ops inside wrote every tensor the op
-        writes by its schema (a result, an ``(a!)`` argument), or, for an op that writes none, traced ops ran
-        inside at all, the op is also one access by its schema, on the stream current when it was called."""
-        dev = next((t.get_device() for v in itertools.chain(args, kwargs.values()) for t in _plain_tensors(v)
-                    if t.is_cuda), -1)
+    def _run_python_kernel(self, mode, func, plan, key, dev, args, kwargs):
+        """Run an op's Python implementation (its kernel at dispatch ``key``; ``dev``: the CUDA device of its
+        tensors, or -1) with the mode on (``mode``: the one whose handler this is), so its ops are traced on the
+        streams they run on. Its own work may be invisible (a pybind extension launching kernels, as flash-attn's
+        custom ops wrap theirs): unless traced ops inside wrote every tensor the op writes by its schema (a result,
+        an ``(a!)`` argument), or, for an op that writes none, traced ops ran inside at all, the op is also one
+        access by its schema, on the stream current when it was called."""
         agent = self.agent(dev, _cuda_raw_stream(dev)) if dev >= 0 else E.HOST
+        call = functools.partial(func._op_dk, key)  # (no frame of its own: an error inside is the program's)
         buf = self.buffer
         flushed = []  # the batches flushed meanwhile: the first holds the events before the call too
         tap = flushed.append
@@ -2128,11 +2122,10 @@ class TorchTracer:
             return out
         reads, writes = self._args_ranges(plan, args, kwargs)
         self._outputs(out, writes)
-        lists = flushed + [buf.events]
-        if any(x is evs for x in lists):
-            lists = lists[next(i for i, x in enumerate(lists) if x is evs):]
-            inner = [ev for x in lists[1:] for ev in x]
-            inner[:0] = evs[mark:]
+        chunks = flushed + [buf.events]
+        start = next((i for i, x in enumerate(chunks) if x is evs), None)  # (None: not seen whole: the access)
+        if start is not None:
+            inner = evs[mark:] + [ev for x in chunks[start + 1:] for ev in x]
             written = [r for ev in inner if ev[0] == E.OP for r in ev[4]]
             if writes and all(any(_covers(w, r) for w in written) for r in writes):
                 return out
