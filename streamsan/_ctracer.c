@@ -1191,7 +1191,8 @@ static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
     if (!in_op) { /* `_on_alloc` does nothing there outside hooked regions (hooks scope) */
         int scope = attr_true(t, s_in_scope);
         rc = scope < 0 ? -1 : (scope ? 0 : 1);
-    } else if (PyDict_GET_SIZE(c->pools) == 0) { /* an op's own allocation */
+    } else if (PyDict_GET_SIZE(c->pools) == 0 && PyLong_AsLong(PyTuple_GET_ITEM(cur, 0)) >= 0) {
+        /* an op's own allocation (inside a host op, device -1, the Python callback finds its stream) */
         PyObject *evs = op_events(cur);
         PyObject *ev = NULL;
         if (evs == NULL) {

@@ -950,9 +950,12 @@ class TorchTracer:
             self.live_device[ptr] = dev
             self._emit((E.ALLOC, dev, ptr, 0, cur[1], 0, 0, "") + tail)
             return
-        dev = cur[0]
+        dev, owner = cur[0], cur[1]
+        if dev < 0:  # inside a host op: the current stream's allocation
+            dev = _cuda_get_device()
+            owner = self.agent(dev, _cuda_raw_stream(dev))
         self.live_device[ptr] = dev
-        cur[5].append((E.ALLOC, dev, ptr, 0, cur[1], cur[2], cur[3], "") + tail)
+        cur[5].append((E.ALLOC, dev, ptr, 0, owner, cur[2], cur[3], "") + tail)
 
     # ------------------------------------------------------------------ patches
     def _patch(self) -> None:
@@ -1694,8 +1697,11 @@ class TorchTracer:
                 if not reads and not writes:
                     return plan.call(*args, **kwargs)
                 return self._host_op(func, plan, args, kwargs, reads, writes)
-            # a factory or a host-to-device copy naming its device: known now, so the op is in place while it runs
+            # a factory or a host-to-device copy naming its device, or a ``*_like`` / ``new_*`` factory of a CUDA
+            # tensor (its argument not an access): known now, so the op has its own events while it runs
             dev = _cuda_target(kwargs)
+            if dev < 0:
+                dev = _cuda_device_among(args)
         evs = self.buffer.events
         ctx = self.ctx
         mine = None
@@ -1984,29 +1990,23 @@ class TorchTracer:
     def _run_inside(self, func, args, kwargs, dev: int, stack: int):
         """Run an op; on a CUDA device (``dev`` >= 0) its current stream is the agent of the events fired inside
         the op (allocations, a copy's events). Returns (output, agent, the event list, where the events fired
-        inside start): on a CUDA device the op's own list (:class:`_OpEvents`: the events its thread fired inside
-        it, whatever other threads did meanwhile), to place the op in and :meth:`_commit`. (``_dispatch`` spells
-        this out: it is the hot path.)"""
-        evs = self.buffer.events
-        a = E.HOST
-        mine = None
+        inside start): the op's own list (:class:`_OpEvents`: the events its thread fired inside it, whatever other
+        threads did meanwhile), to place the op in and :meth:`_commit`. (``_dispatch`` spells this out: it is the
+        hot path.)"""
+        me = _get_ident()
         if dev >= 0:
             a = self.agent(dev, _cuda_raw_stream(dev))
-            me = _get_ident()
             mine = self.op_agent = self.buffer.ops_of_threads[me] = (dev, a, stack, self.ctx, me, _OpEvents())
-        mark = len(evs)
+        else:  # a host op (pinning): its own list all the same, or other threads' events would count as inside it
+            a = E.HOST
+            mine = self.buffer.ops_of_threads[me] = (-1, a, stack, self.ctx, me, _OpEvents())
         try:
             out = func(*args, **kwargs)
         finally:
-            if mine is not None:
-                self.buffer.ops_of_threads.pop(mine[4], None)
-                if self.op_agent is mine:
-                    self.op_agent = None
-        if mine is not None:
-            return out, a, mine[5], 0
-        if self.buffer.events is not evs:  # another thread flushed while the op ran: all since then is inside it
-            return out, a, self.buffer.events, 0
-        return out, a, evs, mark
+            self.buffer.ops_of_threads.pop(me, None)
+            if self.op_agent is mine:
+                self.op_agent = None
+        return out, a, mine[5], 0
 
     def _commit(self, evs) -> None:
         """Hand an op's own event list (:class:`_OpEvents`, once its events are placed) to the buffer, at once."""
@@ -2045,6 +2045,7 @@ class TorchTracer:
                     if self.staged.kept:
                         self.staged.forget(writes)
                     evs.append((E.OP, E.HOST, plan.name, tuple(reads), tuple(writes), stack, self.ctx, 0))
+                self._commit(evs)
                 return out
             a = self.agent(dev, _cuda_raw_stream(dev))
         self.saw_cuda = True
@@ -2228,6 +2229,14 @@ def _cuda_target(kwargs) -> int:
     if d.type != "cuda":
         return -1
     return d.index if d.index is not None else _cuda_get_device()
+
+
+def _cuda_device_among(args) -> int:
+    """The device of the first CUDA tensor among an op's positional arguments, or -1."""
+    for v in args:
+        if isinstance(v, _Tensor) and v.is_cuda:
+            return v.get_device()
+    return -1
 
 
 def _tensors_in(obj, limit: int = 100_000):
