@@ -58,6 +58,9 @@ MAX_AGENT = 1 << 11
 # The name of a host OP a tracer infers rather than sees: the host rewrote pinned bytes outside any traced call
 # between two asynchronous copies out of them (streamsan.tracers.staging); reports explain it as such.
 UNTRACED_REFILL = "refill outside traced calls"
+# The start of the NOTE a tracer leaves when a bug of streamsan's own made it stop tracing: the events after it are
+# missing, so a report holding it is incomplete.
+TRACING_STOPPED = "streamsan stopped tracing after an internal error"
 # The ALLOC pool of memory from a stream-ordered allocator that reports neither allocations nor frees (PyTorch's
 # cudaMallocAsync backend: cudaMallocAsync / cudaFreeAsync, the driver's pool; or a program's own allocator, e.g.
 # RMM's, through torch.cuda.memory.change_current_allocator). The tracer declares each op's new

@@ -238,8 +238,10 @@ class Session:
 
     @property
     def complete(self) -> bool:
-        """Whether every event was analyzed (no analyzer error, no helper lost)."""
-        return not any(p.startswith(INCOMPLETE_PREFIXES) for p in self.problems)
+        """Whether every event was analyzed (no analyzer error, no helper lost) and every tracer traced to the end
+        (none stopped on a bug of its own)."""
+        return not any(p.startswith(INCOMPLETE_PREFIXES) for p in self.problems) and not any(
+            getattr(t, "stopped_on_bug", False) for t in self.tracers.values())
 
     def save(self, path: str) -> str:
         import json

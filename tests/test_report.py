@@ -282,3 +282,19 @@ def test_a_fix_spells_a_stream_as_code_only_where_its_name_is_code(role, code):
     from streamsan.report.advice import stream_code
 
     assert stream_code({"kind": "stream", "stream": "0x5a", "role": role}) == code
+
+
+def test_a_trace_whose_tracer_stopped_replays_as_incomplete():
+    """A tracer's note that it stopped on a bug of its own (in a trace a process of ``streamsan wrap`` left): the
+    report of those events is incomplete, and its problems say why."""
+    from streamsan import events as E
+    from streamsan.analyzer import Analyzer
+    from streamsan.report.build import build_report
+
+    text = f"{E.TRACING_STOPPED} at aten.copy_.default (ValueError: x); findings cover what ran before it"
+    a = Analyzer()
+    a.feed([E.note("warning", text)])
+    a.finish()
+    rep = build_report(a, command=["python", "train.py"], environment={})
+    assert rep["complete"] is False and rep["problems"] == [text]
+    assert build_report(Analyzer(), command=["python"], environment={})["complete"] is True

@@ -64,3 +64,23 @@ def test_a_bug_in_a_patched_method_leaves_its_result(tracer, monkeypatch):
     tracer.tracing = True
     torch.save({"x": tracer.x}, io.BytesIO())  # the same bug: one note only
     assert len(tracer.notes) == 1
+
+
+def test_a_session_whose_tracer_stopped_is_incomplete(monkeypatch):
+    """The events after the stop are missing: the session and its report say incomplete, and why (before, the
+    report claimed to be complete, and a clean result after such a stop looked like a clean program)."""
+    import streamsan
+    from streamsan import events as E
+
+    with streamsan.watch() as s:
+        tracer = s.tracers["torch"]
+        x = torch.arange(4.0)
+        st = x.untyped_storage()
+        tracer.pinned[st.data_ptr()] = st.nbytes()
+        monkeypatch.setattr(tracer.stacks, "capture", broken)
+        assert x.mul(2).tolist() == [0, 2, 4, 6]
+    assert s.complete is False
+    rep = s.report()
+    assert rep["complete"] is False
+    stopped = [p for p in rep["problems"] if p.startswith(E.TRACING_STOPPED)]  # (also: no CUDA device here)
+    assert len(stopped) == 1 and "at aten.mul.Tensor (ValueError: a streamsan bug)" in stopped[0]

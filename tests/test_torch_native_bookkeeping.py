@@ -89,6 +89,29 @@ def test_a_gradient_a_custom_backward_reads_is_recorded(tracer):
     assert got == {"backward": [(E.RECORD_STREAM, 0, base(grad), CONSUMER, HOOK_STACK)], "hook": [], "post": []}
 
 
+def test_an_engine_op_with_no_python_frame_below_the_tracer(tracer, monkeypatch):
+    """An engine thread's op outside a node (DDP's reducer copying buckets into ``.grad`` at the end of backward)
+    reaches the tracer with no Python frame below it: it reads a gradient, is no node's, and gets no record (before,
+    looking for a custom backward two frames up raised, and tracing stopped at DDP's first backward)."""
+    import _thread
+    import collections
+    import itertools
+    import sys
+
+    grad, other = cuda_like(4), cuda_like(4)
+    run(tracer, torch.ops.aten.mul.Tensor, (other, other), grad, ENGINE_STACK)
+    evs, errors = [], []
+    monkeypatch.setattr(sys, "unraisablehook", errors.append)  # (where an error of such a thread goes)
+    done = _thread.allocate_lock()
+    done.acquire()
+    call = (evs, tracer._plan(torch.ops.aten.copy_.default), (cuda_like(4), grad), {}, None, CONSUMER, HOOK_STACK)
+    # _engine_op called from C, then the lock released from C: the thread's only Python frame is _engine_op's
+    steps = itertools.chain(itertools.starmap(tracer._engine_op, [call]), itertools.starmap(done.release, [()]))
+    _thread.start_new_thread(collections.deque, (steps, 0))
+    assert done.acquire(timeout=10), [e.exc_value for e in errors]
+    assert [e.exc_value for e in errors] == [] and evs == []
+
+
 def test_what_an_unpack_hook_makes_is_not_recorded(tracer):
     unpacked = cuda_like(4)
     run(tracer, torch.ops.aten.mul.Tensor, (cuda_like(4), cuda_like(4)), unpacked, HOOK_STACK)  # Python frames

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from ..events import HOST, PINNED
+from ..events import HOST, PINNED, TRACING_STOPPED
 from ..findings import KINDS, MISSING_RECORD_STREAM, is_library_frame, location
 from . import advice
 
@@ -123,10 +123,15 @@ def build_report(analyzer, *, command, environment, complete=True, problems=(), 
 
     ``command``: the traced command line (a list of strings). ``environment``: a dict (see
     :func:`streamsan.report.environment.collect_environment`). ``complete``: False when events may be missing
-    (truncated trace, crashed process); ``problems`` says why, one line each. ``process``: a dict (``pid``,
+    (truncated trace, crashed process; a tracer that stopped on a bug of its own, whose note makes it so too);
+    ``problems`` says why, one line each. ``process``: a dict (``pid``,
     ``trace``, ...) describing the traced process; given, the report gets a one-entry ``processes`` list, so
     that reports merged later keep per-process facts.
     """
+    stopped = [text for _level, text in analyzer.notes if text.startswith(TRACING_STOPPED)]
+    if stopped:  # (the events after the tracer stopped are missing)
+        complete = False
+        problems = [*problems, *(text for text in stopped if text not in problems)]
     races = [race_item(analyzer, f) for f in analyzer.sorted_findings()]
     counters = dict(analyzer.counts, events=analyzer.seq,
                     streams=sum(1 for a in analyzer.agents if a != HOST))

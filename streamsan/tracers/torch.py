@@ -223,7 +223,7 @@ def _schema_hides_accesses(schema, base: str) -> bool:
 def _in_custom_backward() -> bool:
     """Whether a Python caller runs inside a custom ``autograd.Function``'s backward (the engine calls it through
     ``BackwardCFunction.apply`` in torch/autograd/function.py), rather than in a hook the engine calls directly."""
-    f = sys._getframe(2)
+    f = sys._getframe(1)  # (an engine thread may hold no Python frame below the tracer's own)
     while f is not None:
         code = f.f_code
         if code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
@@ -1118,8 +1118,8 @@ class TorchTracer:
 
         self.tracing = False
         logging.getLogger("streamsan").error("internal error while tracing %s", where, exc_info=exc)
-        self._note_once("internal", f"streamsan stopped tracing after an internal error at {where} "
-                                    f"({type(exc).__name__}: {exc}); findings cover what ran before it")
+        self._note_once("internal", f"{E.TRACING_STOPPED} at {where} ({type(exc).__name__}: {exc}); findings "
+                                    f"cover what ran before it")
 
     def _engine_stack(self, events) -> int:
         """The stack of an op run by PyTorch's autograd engine in a thread without Python frames: the backward

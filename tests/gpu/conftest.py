@@ -24,7 +24,7 @@ def summarize(session):
 
 @pytest.fixture
 def san(request):
-    """Run a scenario under streamsan.watch(); returns (session, summary)."""
+    """Run a scenario under streamsan.watch(), which must see it whole; returns (session, summary)."""
     import streamsan
 
     def run(fn, *args):
@@ -37,6 +37,7 @@ def san(request):
         with streamsan.watch(trace=trace) as s:
             fn(*args)
         torch.cuda.synchronize()
+        assert s.complete, s.problems  # (a tracer stopped on a bug of streamsan's own would make a clean result hollow)
         return s, summarize(s)
 
     return run
