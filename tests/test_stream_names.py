@@ -28,6 +28,28 @@ def test_the_assignment_target_of_a_line(line, name):
     assert assigned_to(line) == name
 
 
+def test_streams_made_in_one_unpacking_are_named_by_their_places():
+    """``a, b = Stream(), Stream()``: each stream gets the target in its place (before, both had no name)."""
+    def make():
+        return creation_name(sys._getframe(1))
+
+    compute_stream, comm_stream = make(), make()
+    assert (compute_stream, comm_stream) == ("compute_stream", "comm_stream")
+
+    class Engine:
+        def __init__(self):
+            self.h2d, self.pool[0], unnamed = make(), make(), (make(),)
+
+        pool = {}
+
+    e = Engine()
+    assert (e.h2d, e.pool[0]) == ("self.h2d", "self.pool[0]")
+    a, b = make(), 1
+    assert a == "a"
+    first, second = (make(), make()) if True else (None, None)  # (one expression: no element of its own)
+    assert (first, second) == (None, None)
+
+
 def test_the_name_comes_from_the_first_frame_outside_streamsan():
     def make():  # stands for a wrapper inside streamsan: the frame it is given is the creating line's
         return creation_name(sys._getframe(1))

@@ -2,14 +2,16 @@
 
 ``self.copy_stream = torch.cuda.Stream()`` names its stream ``self.copy_stream`` in reports, so that a finding
 says "on stream self.copy_stream" and its fix reads ``self.copy_stream.wait_stream(...)`` instead of a raw
-handle. Only a plain assignment on the creating line gives a name (a name, an attribute chain, a subscript);
-anything else (a stream passed straight to a call, returned, unpacked into several names, or created by
-PyTorch's or CuPy's own code) leaves the stream to its handle. A name given with :func:`streamsan.name_stream`
+handle. Only an assignment on the creating line gives a name (a name, an attribute chain, a subscript; or, for
+``a, b = Stream(), Stream()``, the target in the place of the element being made); anything else (a stream passed
+straight to a call, returned, unpacked from one call's result, or created by PyTorch's or CuPy's own code) leaves
+the stream to its handle. A name given with :func:`streamsan.name_stream`
 or by a library hook comes later and wins.
 """
 
 from __future__ import annotations
 
+import ast
 import linecache
 import re
 
@@ -29,10 +31,50 @@ def creation_name(frame) -> str | None:
     filename = frame.f_code.co_filename
     if is_library_frame(filename):
         return None
-    return assigned_to(linecache.getline(filename, frame.f_lineno))
+    line = linecache.getline(filename, frame.f_lineno)
+    name = assigned_to(line)
+    if name is None and "," in line:
+        name = unpacked_to(line, _column(frame))
+    return name
 
 
 def assigned_to(line: str) -> str | None:
     """``x.y[0]`` of ``x.y[0] = ...`` or ``x.y[0]: T = ...``; None for any other line."""
     m = _TARGET.match(line)
     return m.group(1) if m else None
+
+
+def unpacked_to(line: str, col: int | None) -> str | None:
+    """``b`` of ``a, b = x(), y()`` when the element being evaluated starts at column ``col`` (``y()``'s); None for
+    any other line or column."""
+    if col is None:
+        return None
+    indent = len(line) - len(line.lstrip())
+    src = line.strip()
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assign) or len(tree.body[0].targets) != 1:
+        return None
+    targets, values = tree.body[0].targets[0], tree.body[0].value
+    if not isinstance(targets, (ast.Tuple, ast.List)) or not isinstance(values, (ast.Tuple, ast.List)) or \
+            len(targets.elts) != len(values.elts):
+        return None
+    for t, v in zip(targets.elts, values.elts):
+        if v.col_offset <= col - indent < v.end_col_offset:
+            if isinstance(t, (ast.Name, ast.Attribute, ast.Subscript)):
+                return ast.get_source_segment(src, t)
+            return None
+    return None
+
+
+def _column(frame) -> int | None:
+    """The column where the expression ``frame`` is evaluating now begins (Python 3.11+), or None."""
+    positions = getattr(frame.f_code, "co_positions", None)
+    if positions is None:
+        return None
+    for i, pos in enumerate(positions()):
+        if 2 * i == frame.f_lasti:
+            return pos[2] if pos[0] == frame.f_lineno else None
+    return None
