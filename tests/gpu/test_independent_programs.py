@@ -37,7 +37,8 @@ def program_name(path: Path) -> str:
 
 
 def run_program(path: Path) -> None:
-    """Run a program file as ``python path`` would (its directory current, ``__name__ == "__main__"``)."""
+    """Run a program file as ``python path`` would (its directory current, ``__name__ == "__main__"``), and put
+    back the process-wide settings a program may leave changed."""
     cwd, argv = os.getcwd(), sys.argv
     os.chdir(path.parent)
     sys.argv = [str(path)]
@@ -46,6 +47,9 @@ def run_program(path: Path) -> None:
     finally:
         os.chdir(cwd)
         sys.argv = argv
+        cupy = sys.modules.get("cupy")
+        if cupy is not None:  # (a program may hand CuPy's allocations to PyTorch's allocator): CuPy's default
+            cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
         torch.cuda.set_stream(torch.cuda.default_stream())  # (a program may leave another stream current)
         torch.cuda.synchronize()
 
