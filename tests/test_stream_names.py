@@ -50,6 +50,31 @@ def test_streams_made_in_one_unpacking_are_named_by_their_places():
     assert (first, second) == (None, None)
 
 
+def test_a_stream_made_on_a_continuation_line_is_named_by_its_assignment():
+    """torchrec: ``self._memcpy_stream = (`` on one line, the stream made on the next, inside the brackets."""
+    from streamsan.tracers.naming import continued_from
+
+    lines = ["    def __init__(self, device):\n",
+             "        self._memcpy_stream = (\n",
+             "            torch.cuda.Stream(priority=-1) if device.type == 'cuda' else None\n",
+             "        )\n",
+             "        run(\n",
+             "            torch.cuda.Stream())\n",
+             "        x = 1\n",
+             "        y = torch.cuda.Stream()\n"]
+    assert continued_from(lines, 3) == "self._memcpy_stream"
+    assert continued_from(lines, 6) is None  # (passed straight to a call)
+    assert continued_from(lines, 8) is None  # (the assignment before it is closed)
+
+    def make():
+        return creation_name(sys._getframe(1))
+
+    self_stream = (
+        make() if True else None
+    )
+    assert self_stream == "self_stream"
+
+
 def test_the_name_comes_from_the_first_frame_outside_streamsan():
     def make():  # stands for a wrapper inside streamsan: the frame it is given is the creating line's
         return creation_name(sys._getframe(1))

@@ -3,7 +3,8 @@
 ``self.copy_stream = torch.cuda.Stream()`` names its stream ``self.copy_stream`` in reports, so that a finding
 says "on stream self.copy_stream" and its fix reads ``self.copy_stream.wait_stream(...)`` instead of a raw
 handle. Only an assignment on the creating line gives a name (a name, an attribute chain, a subscript; or, for
-``a, b = Stream(), Stream()``, the target in the place of the element being made); anything else (a stream passed
+``a, b = Stream(), Stream()``, the target in the place of the element being made; or the assignment whose
+bracketed value continues onto the creating line); anything else (a stream passed
 straight to a call, returned, unpacked from one call's result, or created by PyTorch's or CuPy's own code) leaves
 the stream to its handle. A name given with :func:`streamsan.name_stream`
 or by a library hook comes later and wins.
@@ -35,7 +36,26 @@ def creation_name(frame) -> str | None:
     name = assigned_to(line)
     if name is None and "," in line:
         name = unpacked_to(line, _column(frame))
+    if name is None:
+        name = continued_from(linecache.getlines(filename), frame.f_lineno)
     return name
+
+
+def continued_from(lines: list, lineno: int, back: int = 4) -> str | None:
+    """The target of an assignment whose value continues onto line ``lineno`` (1-based) from one of the ``back``
+    lines before it, inside brackets it opened (``self.stream = (`` / ``Stream(...) if cuda else None`` / ``)``),
+    or None."""
+    for first in range(lineno - 1, max(lineno - 1 - back, 0), -1):
+        target = assigned_to(lines[first - 1])
+        if target is None:
+            continue
+        depth = 0
+        for text in lines[first - 1:lineno - 1]:  # (open at the end of each: the statement goes on)
+            depth += sum(text.count(c) for c in "([{") - sum(text.count(c) for c in ")]}")
+            if depth <= 0:
+                return None
+        return target
+    return None
 
 
 def assigned_to(line: str) -> str | None:

@@ -72,7 +72,9 @@ class EAGLEWorkerV2:
     def draft(self, batch):
         tok, pos, drafts = batch.input_ids, batch.seq_lens, []
         for i in range(NUM_DRAFT):
-            h = self.embed[tok] + self.pos_embed[pos + i]
+            # (ids wrapped into the vocabulary, as a vocab-parallel embedding masks them: an id the race
+            # corrupts must not trip a device-side assert)
+            h = self.embed[tok.remainder(VOCAB)] + self.pos_embed[pos + i]
             tok = (h @ self.draft_head.T).argmax(-1)
             drafts.append(tok)
         draft_token = torch.stack([batch.input_ids] + drafts, dim=1).flatten()
