@@ -71,8 +71,8 @@ def without_ordinal(finding) -> list:
 
 
 def _role(name):
-    """A stream's role without its ordinal; None for a stream without a name."""
-    return None if name is None else re.sub(r"#\d+$", "", name)
+    """A stream's role without its ordinal; None for a stream without a name (in a report; "" in a session)."""
+    return re.sub(r"#\d+$", "", name) if name else None
 
 
 def test_every_fixed_program_is_expected_clean_but_the_known_false_report():
