@@ -132,3 +132,52 @@ def test_the_torch_tracer_patches_stream_creation_only_while_it_runs():
     finally:
         tracer.stop()
     assert torch.cuda.Stream.__dict__["__new__"] is before
+
+
+def test_a_stream_without_a_name_is_named_after_what_the_code_using_it_holds_it_in():
+    """``held_as``: a local variable of the innermost user frame, or an attribute of its ``self``."""
+    from streamsan.tracers.naming import held_as
+
+    class Stager:
+        def __init__(self):
+            self._staging_stream = object()
+
+        def stage(self):
+            return held_as(sys._getframe(0), lambda v: v is self._staging_stream)
+
+    assert Stager().stage() == "self._staging_stream"
+    token = object()
+
+    def onload(stream):
+        return held_as(sys._getframe(0), lambda v: v is token)
+
+    assert onload(token) == "stream"
+    assert held_as(sys._getframe(0), lambda v: v is object()) is None
+
+
+def test_the_torch_tracer_names_a_stream_it_first_sees_after_the_holder(monkeypatch):
+    """``torch.Stream()`` is made where no patch sees it: its first use names it (once; a named stream keeps its
+    name)."""
+    torch = pytest.importorskip("torch")
+    from streamsan.tracers import torch as tt
+
+    class FakeStream:
+        handle = 0x5000
+
+    monkeypatch.setattr(tt, "_is_stream", lambda key, v: isinstance(v, FakeStream) and key == (0, v.handle))
+    tracer = tt.TorchTracer(EventBuffer())
+    self_like = type("Stage", (), {})()
+    self_like.copy_stream = FakeStream()
+
+    def use(self):
+        return tracer.agent(0, self.copy_stream.handle)
+
+    a = use(self_like)
+    assert use(self_like) == a
+    tracer.streams.name(0, 0x6000, "h2d")
+    other = FakeStream()
+    other.handle = 0x6000
+    self_like.copy_stream = other
+    use(self_like)
+    names = [(ev[3], ev[5]) for ev in tracer.buffer.events if ev[0] == E.STREAM and ev[5]]
+    assert names == [(0x5000, "self.copy_stream"), (0x6000, "h2d")]
