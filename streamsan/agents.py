@@ -29,19 +29,11 @@ class StreamRegistry:
         self.collective: set[int] = set()  # agents collectives ran on (named "collective stream" once)
         # (re-entrant: a garbage collection inside _declare can run a callback that declares another stream)
         self._lock = threading.RLock()
-        # (device, handle) -> a name for a stream first seen without one, or None (the torch tracer's: what the code
-        # using it holds it in)
-        self.namer = None
 
     def agent(self, device: int, handle: int, flags: int | None = None) -> int:
         a = self.agent_of.get((device, handle))
         if a is None:
             a = self._declare(device, handle, flags)
-            namer = self.namer
-            if namer is not None and (device, handle) not in self.named:
-                name = namer(device, handle)
-                if name:
-                    self.name_created(device, handle, name)
         return a
 
     def _declare(self, device: int, handle: int, flags: int | None) -> int:

@@ -7,9 +7,7 @@ handle. Only an assignment on the creating line gives a name (a name, an attribu
 bracketed value continues onto the creating line); anything else (a stream passed
 straight to a call, returned, unpacked from one call's result, or created by PyTorch's or CuPy's own code) leaves
 the stream to its handle. A name given with :func:`streamsan.name_stream`
-or by a library hook comes later and wins. A stream left without a name (made by ``torch.Stream()``, by a helper,
-or passed straight to a call) is named, when streamsan first sees it used, after the variable or ``self``
-attribute that the user code using it holds it in (:func:`held_as`).
+or by a library hook comes later and wins.
 """
 
 from __future__ import annotations
@@ -99,25 +97,4 @@ def _column(frame) -> int | None:
     for i, pos in enumerate(positions()):
         if 2 * i == frame.f_lasti:
             return pos[2] if pos[0] == frame.f_lineno else None
-    return None
-
-
-def held_as(frame, is_it, users: int = 2) -> str | None:
-    """The name under which one of the innermost ``users`` frames of user code (from ``frame`` outwards, streamsan's
-    and libraries' frames skipped) holds the object ``is_it`` tells: a local variable, or an attribute of its
-    ``self``; or None."""
-    while frame is not None and users > 0:
-        filename = frame.f_code.co_filename
-        if not is_own_file(filename) and not is_library_frame(filename):
-            users -= 1
-            local = frame.f_locals
-            for key, value in local.items():
-                if is_it(value):
-                    return key
-            attrs = getattr(local.get("self"), "__dict__", None)
-            if isinstance(attrs, dict):
-                for key, value in attrs.items():
-                    if is_it(value):
-                        return f"self.{key}"
-        frame = frame.f_back
     return None

@@ -52,7 +52,7 @@ from ..findings import ENGINE_FRAME
 from ..stacks import USER, StackTable, is_own_file
 from .graphs import GraphAccesses
 from .indices import DERIVED, INDEX_DTYPES, INDEXED_OPS, IndexValues, flat_values, indexed_rows
-from .naming import creation_name, held_as
+from .naming import creation_name
 from .pinned_numpy import attach, detach, pinned_class, strided_range
 from .staging import WRITE_SEEN, PinnedStaging
 from .triton import kernel_writes
@@ -745,8 +745,6 @@ class TorchTracer:
         self.buffer = buffer
         self.scope = scope
         self.streams = streams if streams is not None else StreamRegistry(buffer)
-        if self.streams.namer is None:
-            self.streams.namer = self._held_name
         self.agent_of = self.streams.agent_of
         self.stacks = stacks if stacks is not None else StackTable()
         # id(op overload) -> its plan (the plan holds the overload, so the id stays its own). Not keyed by the
@@ -832,14 +830,6 @@ class TorchTracer:
     # ------------------------------------------------------------------ agents
     def agent(self, device: int, handle: int) -> int:
         return self.streams.agent(device, handle)
-
-    def _held_name(self, device: int, handle: int) -> str | None:
-        """The name of a stream first seen without one: what the user code using it holds it in
-        (:func:`.naming.held_as`), or None."""
-        try:
-            return held_as(sys._getframe(1), functools.partial(_is_stream, (device, handle)))
-        except Exception:  # (a name is a nicety: frames that cannot be inspected give none)
-            return None
 
     def name_stream(self, stream, name: str) -> None:
         """Give a stream (torch.cuda.Stream / torch.Stream) a role name for reports."""
@@ -2283,20 +2273,6 @@ def _set_type_attr(cls, attr: str, value) -> bool:
     except (AttributeError, ValueError, OSError):  # not CPython, or a dict it does not expose
         return False
     return cls.__dict__.get(attr) is value
-
-
-def _is_stream(key, value) -> bool:
-    """Whether ``value`` is a stream (torch.cuda.Stream / torch.Stream) with this (device, handle)."""
-    if not isinstance(value, _STREAM_TYPES):
-        return False
-    try:
-        return _stream_key(value) == key
-    except RuntimeError:  # (a stream of a device type without native handles)
-        return False
-
-
-_STREAM_TYPES = tuple(t for t in (getattr(torch, "Stream", None), getattr(getattr(torch, "cuda", None), "Stream", None))
-                      if isinstance(t, type))
 
 
 def _stream_key(stream) -> tuple[int, int]:
