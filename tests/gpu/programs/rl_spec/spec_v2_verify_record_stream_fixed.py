@@ -83,7 +83,7 @@ class EAGLEWorkerV2:
     def verify(self, batch, out_tokens, out_accept_lens):
         tokens = batch.input_ids.view(BS, NUM_DRAFT + 1)
         pos = batch.seq_lens[:, None] + torch.arange(NUM_DRAFT + 1, device=DEVICE)
-        target = ((self.embed[tokens] + self.pos_embed[pos]) @ self.target_head.T).argmax(-1)
+        target = ((self.embed[tokens.remainder(VOCAB)] + self.pos_embed[pos]) @ self.target_head.T).argmax(-1)
         accept = torch.cumprod((tokens[:, 1:] == target[:, :-1]).int(), dim=1).sum(1)
         out_tokens.copy_(target)
         out_accept_lens.copy_(accept)
