@@ -159,53 +159,52 @@ def test_allocations_inside_an_op_belong_to_its_stream_only_in_its_own_thread():
     assert others == [] and len(own) == 1
 
 
-@pytest.mark.parametrize("flush", [False, True], ids=["", "flushed"])
-def test_an_ops_events_stay_together_whatever_another_thread_does_meanwhile(monkeypatch, flush):
-    """An op's allocation and the op itself reach the buffer together and in order, even when another thread
-    frees, allocates the same memory again and runs an op (and flushes the buffer) while the first op runs
-    (PyTorch releases the GIL inside ops): before, everything in the buffer since the op began was taken as its
-    own, and the other thread's allocation was moved before its free."""
+def _other_thread_reuses(tracer, flush=False) -> None:
+    """Another thread's work, run to its end while an op of this thread runs (PyTorch releases the GIL inside
+    ops): it frees a block, allocates it again and writes it (and flushes the buffer)."""
     import threading
 
-    from streamsan.tracers import torch as tt
-
-    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
-    got = []
-    tracer = TorchTracer(EventBuffer([got.extend]))
-    other_done = threading.Event()
-
-    def other_thread_op():
+    def work():
         tracer._emit((E.FREE, 0, 0x1000, 0))
         tracer._emit((E.ALLOC, 0, 0x1000, 64, 2, 0, 0, ""))
         tracer._emit((E.OP, 2, "aten::other", (), ((0, 0x1000, 64),), 0, 0, 0))
         if flush:
             tracer.buffer.flush()
-        other_done.set()
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+
+
+OTHER_THREAD = [(E.FREE, 0x1000), (E.ALLOC, 0x1000), (E.OP, "aten::other")]  # (its events, in its order)
+
+
+def _in_order(events):
+    return [(ev[0], ev[2]) for ev in events if ev[0] in (E.ALLOC, E.FREE, E.OP)]
+
+
+@pytest.mark.parametrize("flush", [False, True], ids=["", "flushed"])
+def test_an_ops_events_stay_together_whatever_another_thread_does_meanwhile(monkeypatch, flush):
+    """An op's allocation and the op itself reach the buffer together and in order, even when another thread
+    frees, allocates the same memory again and runs an op (and flushes the buffer) while the first op runs:
+    before, everything in the buffer since the op began was taken as its own, and the other thread's allocation
+    was moved before its free."""
+    from streamsan.tracers import torch as tt
+
+    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
+    got = []
+    tracer = TorchTracer(EventBuffer([got.extend]))
 
     def op(*args):
         tracer._on_alloc(0x2000)  # this op's own allocation
-        th = threading.Thread(target=other_thread_op)
-        th.start()
-        th.join()
-        return None
+        _other_thread_reuses(tracer, flush)
 
     tracer.in_scope = 1
     out, a, evs, mark = tracer._run_inside(op, (), {}, 0, 0)
     tracer._place(evs, mark, (E.OP, a, "aten::mine", (), ((0, 0x2000, 64),), 0, 0, 0), None)
     tracer._commit(evs)
     tracer.buffer.flush()
-    assert other_done.is_set()
-    kinds = [(ev[0], ev[2]) for ev in got if ev[0] in (E.ALLOC, E.FREE, E.OP)]
-    assert kinds == [(E.FREE, 0x1000), (E.ALLOC, 0x1000), (E.OP, "aten::other"),
-                     (E.ALLOC, 0x2000), (E.OP, "aten::mine")]
-
-
-def _other_thread_reuses(tracer, done):
-    """Another thread's work while an op runs: it frees a block, allocates it again and writes it."""
-    tracer._emit((E.FREE, 0, 0x1000, 0))
-    tracer._emit((E.ALLOC, 0, 0x1000, 64, 2, 0, 0, ""))
-    tracer._emit((E.OP, 2, "aten::other", (), ((0, 0x1000, 64),), 0, 0, 0))
-    done.set()
+    assert _in_order(got) == OTHER_THREAD + [(E.ALLOC, 0x2000), (E.OP, "aten::mine")]
 
 
 def test_a_host_ops_events_stay_apart_from_another_threads(monkeypatch):
@@ -213,64 +212,42 @@ def test_a_host_ops_events_stay_apart_from_another_threads(monkeypatch):
     events keep their order and their place, before the host op. Before, a host op took everything in the buffer
     since it began as its own and moved the allocations first: a block's new life began before the accesses of
     its old one (a false host-device race, seen on an H200 in a prefetcher thread's program)."""
-    import threading
-
     from streamsan.tracers import torch as tt
 
     monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
     got = []
     tracer = TorchTracer(EventBuffer([got.extend]))
-    done = threading.Event()
-
-    def host_op(*args):
-        th = threading.Thread(target=_other_thread_reuses, args=(tracer, done))
-        th.start()
-        th.join()
-        return None
-
     tracer.in_scope = 1
-    out, a, evs, mark = tracer._run_inside(host_op, (), {}, -1, 0)
+    out, a, evs, mark = tracer._run_inside(lambda: _other_thread_reuses(tracer), (), {}, -1, 0)
     assert a == E.HOST
     tracer._place(evs, mark, (E.OP, a, "aten::_pin_memory", (), ((E.PINNED, 0x9000, 64),), 0, 0, 0), None,
                   pre=[(E.ALLOC, E.PINNED, 0x9000, 64, E.HOST, 0, 0, "")])
     tracer._commit(evs)
     tracer.buffer.flush()
-    assert done.is_set()
-    kinds = [(ev[0], ev[2]) for ev in got if ev[0] in (E.ALLOC, E.FREE, E.OP)]
-    assert kinds == [(E.FREE, 0x1000), (E.ALLOC, 0x1000), (E.OP, "aten::other"),
-                     (E.ALLOC, 0x9000), (E.OP, "aten::_pin_memory")]
+    assert _in_order(got) == OTHER_THREAD + [(E.ALLOC, 0x9000), (E.OP, "aten::_pin_memory")]
 
 
 def test_a_like_factorys_events_stay_apart_from_another_threads(monkeypatch):
     """``ones_like(x)`` of a CUDA tensor reads none of it (no access, so no device among its accesses): it runs on
     x's device, with its own events, whatever another thread does meanwhile. Before, it took the other thread's
     events as its own and moved their allocation before their free."""
-    import threading
-
     from streamsan.tracers import torch as tt
     from torch_kit import cuda_like
 
     monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
     got = []
     tracer = TorchTracer(EventBuffer([got.extend]))
-    done = threading.Event()
     func = torch.ops.aten.ones_like.default
     plan = tracer._plan(func)
-    x = cuda_like(16)
-    result = cuda_like(16)
+    x, result = cuda_like(16), cuda_like(16)
 
     def call(*args, **kwargs):
         tracer._on_alloc(result.data_ptr())
-        th = threading.Thread(target=_other_thread_reuses, args=(tracer, done))
-        th.start()
-        th.join()
+        _other_thread_reuses(tracer)
         return result
 
     plan.call = call
     tracer.in_scope = 1
     assert tracer._dispatch(func, (x,), {}) is result
     tracer.buffer.flush()
-    assert done.is_set()
-    kinds = [(ev[0], ev[2]) for ev in got if ev[0] in (E.ALLOC, E.FREE, E.OP)]
-    assert kinds == [(E.FREE, 0x1000), (E.ALLOC, 0x1000), (E.OP, "aten::other"),
-                     (E.ALLOC, result.data_ptr()), (E.OP, "aten::ones_like")]
+    assert _in_order(got) == OTHER_THREAD + [(E.ALLOC, result.data_ptr()), (E.OP, "aten::ones_like")]
