@@ -680,6 +680,8 @@ class Analyzer:
                 self._fold_into(f, old, x)
                 if reused:
                     f.reused = True
+                    if f.block is None:  # (first met where no block was handed on: this is the one that was)
+                        f.block = blk
 
     def _fold_into(self, f: Finding, old: Block, x: Access) -> None:
         """Races of x, and of every earlier access of x's stream to ``old`` during its life, with later lives of

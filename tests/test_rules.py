@@ -583,6 +583,19 @@ def test_missing_record_stream_block_really_reused():
     assert f.prev_block is not f.block
 
 
+def test_missing_record_stream_met_first_without_reuse_names_the_block_handed_on_later():
+    """The same missing record_stream twice (a loop): the first time A's next allocation got other memory, the
+    second time the freed block itself. The finding says the block was reused, and names the allocation that got
+    it (before, "reused" came with no allocation: the report said streamsan had not seen it allocated)."""
+    again = [alloc(0, BASE + 4 * KB, 1 * KB, A), op(A, "copy_h2d", writes=[D(4 * KB, 1 * KB)]),
+             event_record(2, A), event_wait(2, B), op(B, "cat", reads=[D(4 * KB, 1 * KB)]), free(0, BASE + 4 * KB),
+             alloc(0, BASE + 4 * KB, 1 * KB, A)]
+    _, f = one(mrs_prefix() + [alloc(0, BASE + Q_OFF, 1 * KB, A)] + again,
+               MISSING_RECORD_STREAM, (B, "cat"), (A, "allocation"), BASE, BASE + 1 * KB, count=2)
+    assert f.reused is True
+    assert (f.block.start, f.block.size, f.block.owner) == (BASE + 4 * KB, 1 * KB, A)
+
+
 def test_missing_record_stream_partial_overlap_counts_as_reuse():
     _, f = one(mrs_prefix() + [alloc(0, BASE + 768, 1 * KB, A)],
                MISSING_RECORD_STREAM, (B, "cat"), (A, "allocation"), BASE, BASE + 1 * KB)
