@@ -132,3 +132,29 @@ def test_the_torch_tracer_patches_stream_creation_only_while_it_runs():
     finally:
         tracer.stop()
     assert torch.cuda.Stream.__dict__["__new__"] is before
+
+
+def test_a_stream_made_from_native_code_gets_no_name_and_no_error():
+    """A patched constructor called with no Python frame above it (a stream made by native code): no name, and
+    nothing raised into the program (before, looking one frame up raised ValueError there)."""
+    import _thread
+    import collections
+    import itertools
+
+    from streamsan.tracers.naming import caller_name
+
+    results = []
+    done = _thread.allocate_lock()
+    done.acquire()
+    # caller_name called from C, in a thread whose only Python frame is its own; then the lock released from C
+    steps = itertools.chain(itertools.starmap(results.extend, [(map(caller_name, [2]),)]),
+                            itertools.starmap(done.release, [()]))
+    _thread.start_new_thread(collections.deque, (steps, 0))
+    assert done.acquire(timeout=10)
+    assert results == [None]
+
+    def constructor():  # a patched constructor: the name of what its caller's line assigns
+        return caller_name()
+
+    made_here = constructor()
+    assert made_here == "made_here"

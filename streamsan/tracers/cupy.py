@@ -95,7 +95,7 @@ import types
 from .. import events as E
 from ..agents import StreamRegistry
 from ..stacks import StackTable
-from .naming import creation_name
+from .naming import caller_name
 from .pinned_numpy import attach, basic_index, detach, pinned_class, pinned_types, strided_range
 from .staging import WRITE_SEEN, PinnedStaging
 
@@ -952,7 +952,7 @@ class CupyTracer:
                     if h > 2:  # a new CUDA stream: a new agent, even if a destroyed stream had its handle
                         dev = s.device_id if s.device_id >= 0 else t._getDevice()
                         t._new_stream(dev, h, None)
-                        name = creation_name(sys._getframe(1))
+                        name = caller_name()
                         if name:
                             t.streams.name_created(dev, h, name)
             return functools.wraps(orig)(__init__)

@@ -15,11 +15,22 @@ from __future__ import annotations
 import ast
 import linecache
 import re
+import sys
 
 from ..findings import is_library_frame
 from ..stacks import is_own_file
 
 _TARGET = re.compile(r"^\s*([A-Za-z_][\w.]*(?:\[[^\]=\n]*\])*)\s*(?::[^=\n]+)?=(?!=)")
+
+
+def caller_name(depth: int = 2) -> str | None:
+    """:func:`creation_name` of the frame ``depth`` levels above this function's (2: the caller of a patched
+    constructor that calls it), or None where the stack is not that deep (an object made from native code)."""
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:
+        return None
+    return creation_name(frame)
 
 
 def creation_name(frame) -> str | None:

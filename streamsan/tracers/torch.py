@@ -52,7 +52,7 @@ from ..findings import ENGINE_FRAME
 from ..stacks import USER, StackTable, is_own_file
 from .graphs import GraphAccesses
 from .indices import DERIVED, INDEX_DTYPES, INDEXED_OPS, IndexValues, flat_values, indexed_rows
-from .naming import creation_name
+from .naming import caller_name
 from .pinned_numpy import attach, detach, pinned_class, strided_range
 from .staging import WRITE_SEEN, PinnedStaging
 from .triton import kernel_writes
@@ -1217,7 +1217,7 @@ class TorchTracer:
             stream = make(klass, *a, **k)
             if tracer.tracing and "stream_id" not in k:
                 try:
-                    name = creation_name(sys._getframe(1))
+                    name = caller_name()
                     if name:
                         device, handle = _stream_key(stream)
                         tracer.streams.name_created(device, handle, name)
