@@ -38,14 +38,14 @@ def test_streams_made_in_one_unpacking_are_named_by_their_places():
 
     class Engine:
         def __init__(self):
-            self.h2d, self.pool[0], unnamed = make(), make(), (make(),)
+            self.h2d, self.pool[0] = make(), make()
 
         pool = {}
 
     e = Engine()
     assert (e.h2d, e.pool[0]) == ("self.h2d", "self.pool[0]")
-    a, b = make(), 1
-    assert a == "a"
+    a, n = make(), len("n")
+    assert (a, n) == ("a", 1)
     first, second = (make(), make()) if True else (None, None)  # (one expression: no element of its own)
     assert (first, second) == (None, None)
 

@@ -13,6 +13,7 @@ or by a library hook comes later and wins.
 from __future__ import annotations
 
 import ast
+import itertools
 import linecache
 import re
 import sys
@@ -105,7 +106,5 @@ def _column(frame) -> int | None:
     positions = getattr(frame.f_code, "co_positions", None)
     if positions is None:
         return None
-    for i, pos in enumerate(positions()):
-        if 2 * i == frame.f_lasti:
-            return pos[2] if pos[0] == frame.f_lineno else None
-    return None
+    pos = next(itertools.islice(positions(), frame.f_lasti // 2, None), None)  # (one per 2-byte code unit)
+    return pos[2] if pos is not None and pos[0] == frame.f_lineno else None

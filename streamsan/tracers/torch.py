@@ -357,8 +357,7 @@ class _Mode(TorchDispatchMode):
                     return call(*args, **(kwargs or {}))
             if plan.python_kernel is not None and not types:  # (a subclass's own dispatch handles its ops)
                 kwargs = kwargs or {}
-                dev = next((t.get_device() for v in itertools.chain(args, kwargs.values())
-                            for t in _plain_tensors(v) if t.is_cuda), -1)
+                dev = _cuda_device_among(itertools.chain(args, kwargs.values()))
                 key = plan.python_kernel[0 if dev >= 0 else 1]
                 if key is not None:
                     return tracer._run_python_kernel(self, func, plan, key, dev, args, kwargs)
@@ -2231,12 +2230,9 @@ def _cuda_target(kwargs) -> int:
     return d.index if d.index is not None else _cuda_get_device()
 
 
-def _cuda_device_among(args) -> int:
-    """The device of the first CUDA tensor among an op's positional arguments, or -1."""
-    for v in args:
-        if isinstance(v, _Tensor) and v.is_cuda:
-            return v.get_device()
-    return -1
+def _cuda_device_among(values) -> int:
+    """The device of the first CUDA tensor among an op's argument values (lists walked), or -1."""
+    return next((t.get_device() for v in values for t in _plain_tensors(v) if t.is_cuda), -1)
 
 
 def _tensors_in(obj, limit: int = 100_000):
