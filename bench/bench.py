@@ -3,7 +3,7 @@
     python bench/bench.py                                # every workload, every mode
     python bench/bench.py --workloads decode,micro --runs 5
 
-Workloads (DESIGN and issue 5): ``decode`` / ``decode_offload``: greedy decode of a random 8-layer Qwen3 (hidden
+Workloads: ``decode`` / ``decode_offload``: greedy decode of a random 8-layer Qwen3 (hidden
 1024, 8 heads, head_dim 128, 512-token prompt, 32 steps), resident or with DynamicCache(offloading=True);
 ``big_decode``: a random ~6.5B Qwen3 (hidden 4096, 32 layers, 32 heads, 8 KV heads) decoding at batch 8 after a
 2048-token prompt; ``big_prefill``: the same model, 3 forwards of batch 8 x 4096 tokens; ``micro``: 100k small
@@ -17,7 +17,7 @@ in-process analysis); ``full`` (``streamsan.watch()``: tracing, the analysis in 
 (``full`` with the Python tracer alone, ``STREAMSAN_CORE=python``: what the C tracer saves); ``hooks``
 (``--scope hooks``: only inside the transformers cache hooks); ``csan`` (torch.cuda._sanitizer). GPU trace
 callbacks, once activated, stay on for the process, so each workload runs in its own process: plain and floor
-interleaved over ``--runs`` rounds (with ``hooks`` where no offloading cache turns the callbacks on), then
+interleaved over ``--runs`` passes (with ``hooks`` where no offloading cache turns the callbacks on), then
 streamsan's modes interleaved, then CSAN (one timed run); one warm-up run each. Each mode's time is its best run:
 the shared host's noise only ever adds time (consecutive plain runs differ by up to 20% there); stderr has each
 mode's median and every run's time, its garbage collection time and, for streamsan's modes, the time spent feeding
