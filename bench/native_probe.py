@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from streamsan.analyzer import Analyzer  # noqa: E402
+from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch import TorchTracer  # noqa: E402
 

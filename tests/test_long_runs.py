@@ -22,7 +22,7 @@ for _p in (str(ROOT), str(ROOT / "bench")):
 from synth import decode_trace  # noqa: E402
 
 from streamsan import events as E  # noqa: E402
-from streamsan.analyzer import Analyzer  # noqa: E402
+from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 
 BATCH = 4096
 WINDOW = 200_000
@@ -54,7 +54,7 @@ def run(events):
         m["shadow"] = max(m["shadow"], a.shadow_size())
         m["live"] = max(m["live"], a.allocator.live_count())
         m["pending"] = max(m["pending"], sum(map(len, a.allocator.pending.values())))
-        m["cuda_events"] = max(m["cuda_events"], len(a.events))
+        m["cuda_events"] = max(m["cuda_events"], len(a.clocks.events))
         if end:
             dead = sum(1 for sh in a.shadow.values() for seg in sh if seg.block is None or seg.block.freed)
             m["dead"], m["alive"], m["blocks"] = dead, a.shadow_size() - dead, a.allocator.live_count()
