@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .. import events as E
 from .allocator import AllocatorModel
-from .clocks import Clocks, knows
+from .clocks import Clocks
 from .findings import Finding, FindingLog
 from .lifetimes import Lifetimes
 from .race import ShadowChecker
@@ -221,15 +221,11 @@ class Analyzer:
         oldest of it is forgotten (and a note says so)."""
         self._next_retire = self.seq + self._retire_every
         h = self.clocks.vc[HOST]
-
-        def unsynced(x: Access) -> bool:
-            return not knows(h, x)
-
         kept_dead = []
         for sh in self.shadow.values():
             dead = []
             for seg in sh:
-                seg.retain(unsynced)
+                seg.forget_known(h)
                 if seg.block is None or seg.block.freed:
                     if seg.write is None and seg.reads is None:
                         dead.append(seg)

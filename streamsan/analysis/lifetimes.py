@@ -1,9 +1,10 @@
 """Lives of memory: allocations, frees, ``record_stream``, and what an earlier life's history means for the next.
 
 An allocation starts a life of its bytes, a free ends it; the shadow memory keeps the history across lives. The
-survival rule (which accesses of an earlier life stay unordered with a new one, for the caching allocator, the
-pinned host allocator and an allocator that reports no frees) and the missing-record-stream rule (a freed block's
-foreign access still in flight when its owner allocates again) are the functions and methods below. The contract is
+survival rule (which accesses of an earlier life stay unordered with a new one: for the caching allocator and the
+pinned host allocator in :meth:`Lifetimes.alloc`, for an allocator that reports no frees in
+:func:`end_unreported_life`) and the missing-record-stream rule (a freed block's foreign access still in flight
+when its owner allocates again: :func:`in_flight_for_owner`) are here. The contract is
 ``docs/semantics.md`` ("Allocations, lives and the allocator", "Missing record_stream").
 """
 
@@ -34,20 +35,12 @@ def allocator_waited_for(x: Access, old_block, space: int) -> bool:
         old_block is not None and x.agent in old_block.recorded and x.seq >= old_block.seq))
 
 
-def end_reported_life(seg, h: list, old_block, space: int) -> None:
-    """A reporting allocator hands seg's bytes out again (``old_block``: the life there before): an access of an
-    earlier life stays in the shadow unless the host synchronized past it or the allocator waited for it."""
-    seg.forget_known(h)
-    if space == PINNED or (old_block is not None and old_block.recorded):  # (else it waited for no stream)
-        seg.retain(lambda x: not allocator_waited_for(x, old_block, space))
-
-
 def end_unreported_life(seg, h: list, old_block, vc: list) -> None:
-    """:func:`end_reported_life` for an allocation from an allocator that reports no frees (``E.UNREPORTED_POOL``):
-    an access stays unless the host, the old block's owner or one of its recorded users had seen it by now (the
-    driver orders the allocation after the owner's free, which PyTorch issues after those streams' work); accesses
-    to memory no declared block held (allocated before tracing began) are forgotten: nothing tells whose they
-    were."""
+    """An allocator that reports no frees (``E.UNREPORTED_POOL``) hands seg's bytes out again (``old_block``: the
+    life there before, maybe still live): an access of an earlier life stays in the shadow unless the host, the old
+    block's owner or one of its recorded users had seen it by now (the driver orders the allocation after the
+    owner's free, which PyTorch issues after those streams' work); accesses to memory no declared block held
+    (allocated before tracing began) are forgotten: nothing tells whose they were."""
     if old_block is None:
         seg.write = seg.reads = None
         return
@@ -121,7 +114,8 @@ class Lifetimes:
                     else:
                         earlier.append([seg.start, seg.end])
                 continue
-            # The deferred-reuse edge (end_reported_life, written out: this runs at every reuse of every range).
+            # The survival rule of a reporting allocator (the deferred-reuse edge): an access of an earlier life
+            # stays in the shadow unless the host synchronized past it or the allocator waited for it.
             seg.forget_known(h)
             if space == PINNED or (ob is not None and ob.recorded):
                 seg.retain(lambda x: not allocator_waited_for(x, ob, space))

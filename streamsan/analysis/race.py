@@ -21,13 +21,17 @@ MAX_STRIDED_STATE = 64  # distinct strided views kept per shadow range before fo
 def unordered(prev: Access, agent: int, clock: list) -> bool:
     """Whether the earlier access ``prev`` does not happen before what ``agent`` does now, at vector clock
     ``clock``: it is another agent's and ``clock`` does not know it (:func:`~streamsan.analysis.clocks.knows`)."""
+    # (knows written out: this test runs for every earlier access each access meets)
     return prev.agent != agent and prev.clock > clock[prev.agent]
 
 
-def _touch_common_bytes(prev: Access, prev_write: bool, cur_range, lo: int, hi: int) -> bool:
-    """Whether prev's ranges of the given access type on [lo, hi) and cur_range share a byte (strided views)."""
-    for pr in prev.ranges_on(lo, hi, prev_write):
-        if touch_common_bytes(pr, cur_range):
+def _share_a_byte(prev: Access, prev_write: bool, r, strided: bool, seg) -> bool:
+    """Whether prev's ranges of the given access type and range r (``strided``: r has a layout) share a byte of
+    seg: dense ranges over it always do, strided views only where their elements meet."""
+    if not (strided or prev.strided):
+        return True
+    for pr in prev.ranges_on(seg.start, seg.end, prev_write):
+        if touch_common_bytes(pr, r):
             return True
     return False
 
@@ -78,23 +82,19 @@ class ShadowChecker:
             if w is not None:
                 if type(w) is list:  # (strided writes on disjoint elements: each one's race is its own)
                     for x in w:
-                        if unordered(x, a, t) and (
-                                not (strided or x.strided) or _touch_common_bytes(x, True, r, seg.start, seg.end)):
+                        if unordered(x, a, t) and _share_a_byte(x, True, r, strided, seg):
                             self.log.race(x, True, acc, True, seg, space)
                             raced = True
-                elif unordered(w, a, t) and (
-                        not (strided or w.strided) or _touch_common_bytes(w, True, r, seg.start, seg.end)):
+                elif unordered(w, a, t) and _share_a_byte(w, True, r, strided, seg):
                     self.log.race(w, True, acc, True, seg, space)
                     raced = True
             rd = seg.reads
             if rd is not None and not raced:
                 if type(rd) is dict:  # (one read per stream: each unordered one is a race of its own)
                     for x in rd.values():
-                        if unordered(x, a, t) and (
-                                not (strided or x.strided) or _touch_common_bytes(x, False, r, seg.start, seg.end)):
+                        if unordered(x, a, t) and _share_a_byte(x, False, r, strided, seg):
                             self.log.race(x, False, acc, True, seg, space)
-                elif unordered(rd, a, t) and (
-                        not (strided or rd.strided) or _touch_common_bytes(rd, False, r, seg.start, seg.end)):
+                elif unordered(rd, a, t) and _share_a_byte(rd, False, r, strided, seg):
                     self.log.race(rd, False, acc, True, seg, space)
             if strided:
                 # A strided write overwrites only its elements: keep what it may not have overwritten.
@@ -141,11 +141,9 @@ class ShadowChecker:
             if w is not None:
                 if type(w) is list:
                     for x in w:
-                        if unordered(x, a, t) and (
-                                not (strided or x.strided) or _touch_common_bytes(x, True, r, seg.start, seg.end)):
+                        if unordered(x, a, t) and _share_a_byte(x, True, r, strided, seg):
                             self.log.race(x, True, acc, False, seg, space)
-                elif unordered(w, a, t) and (
-                        not (strided or w.strided) or _touch_common_bytes(w, True, r, seg.start, seg.end)):
+                elif unordered(w, a, t) and _share_a_byte(w, True, r, strided, seg):
                     self.log.race(w, True, acc, False, seg, space)
             rd = seg.reads
             if not strided:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from bisect import bisect_right, insort
 
-from .clocks import knows
-
 
 class Access:
     """An operation's access epoch and enough context to explain it later.
@@ -100,6 +98,7 @@ class ShadowRange:
     def forget_known(self, clock: list) -> None:
         """Forget the accesses whose epoch is in vector clock ``clock``: those an agent at that clock has
         synchronized past."""
+        # (clocks.knows written out: this runs for every access of a range at each reuse and each retirement)
         w = self.write
         if w is not None:
             if type(w) is list:
