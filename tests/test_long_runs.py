@@ -83,7 +83,7 @@ def test_two_million_events_of_churn_in_flat_memory():
     assert first < 25_000, windows  # about retire_every / 3 ranges at the top of the saw-tooth
 
 
-@pytest.mark.xfail(strict=True, reason="retirement runs only when the host synchronizes (Analyzer._host_learns): "
+@pytest.mark.xfail(strict=True, reason="retirement runs only when the host synchronizes (Analyzer._host_synced): "
                                        "without host syncs the history of freed memory is never retired")
 def test_churn_without_host_syncs_in_flat_memory():
     a, windows = run(without_host_syncs(decode_trace(400_000, churn=4)))
