@@ -32,7 +32,7 @@ def _rss_mb() -> float:
 def one(n: int, churn: int, curve: bool) -> dict:
     from synth import decode_trace
 
-    from streamsan.analyzer import Analyzer
+    from streamsan.analysis.analyzer import Analyzer
     from streamsan.trace import TraceReader, TraceWriter
 
     path = os.path.join(tempfile.mkdtemp(), "synth.sstrace")

@@ -2,7 +2,7 @@
 
 :class:`AnalysisHelper` starts a Python process in isolated mode that runs :func:`main` (streamsan's core
 only: no torch, no CuPy, no tracing of its own) and sends it each batch of events through a pipe; the helper
-runs the :class:`~streamsan.analyzer.Analyzer` on another core and, when asked, sends the analyzer back.
+runs the :class:`~streamsan.analysis.analyzer.Analyzer` on another core and, when asked, sends the analyzer back.
 Once started, the helper writes one byte, ``+`` (ready). Frames on the pipe: one kind byte, a 4-byte
 little-endian length, the payload. To the helper: ``B`` a marshalled batch, ``Q`` a query (reply: the pickled
 analyzer and the helper's problems so far), ``E`` the end (the same reply, then the helper exits).
@@ -176,7 +176,7 @@ def main() -> int:
     """The helper's side: analyze batches until the end frame (or the parent's end of the pipe)."""
     import gc
 
-    from .analyzer import Analyzer, feed_guarded
+    from .analysis.analyzer import Analyzer, feed_guarded
 
     gc.disable()  # the analyzer builds no garbage cycles; collection passes would triple its time
     inp, out = sys.stdin.buffer, sys.stdout.buffer

@@ -12,7 +12,7 @@ import gc
 import logging
 import os
 
-from .analyzer import Analyzer
+from .analysis.analyzer import Analyzer
 from .report.build import build_report
 from .report.io import schema_problem
 from .report.syncs import attach_timelines, collect_timelines

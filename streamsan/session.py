@@ -20,7 +20,7 @@ import sys
 import threading
 
 from . import events as E
-from .analyzer import ANALYZER_ERROR, Analyzer, feed_guarded
+from .analysis.analyzer import ANALYZER_ERROR, Analyzer, feed_guarded
 from .imports import when_imported
 from .agents import StreamRegistry
 from .sink import EventBuffer

@@ -13,7 +13,7 @@ import os
 import sys
 
 from . import events as E
-from .findings import is_library_frame
+from .analysis.locations import is_library_frame
 
 _getframe = sys._getframe
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from .findings import KINDS
+from .analysis.findings import KINDS
 from .report.build import summarize
 
 log = logging.getLogger("streamsan")

@@ -108,7 +108,7 @@ def alloc_reuse_by_owner() -> list:
 
 
 def analyze(events):
-    from streamsan.analyzer import Analyzer
+    from streamsan.analysis.analyzer import Analyzer
     a = Analyzer()
     a.feed(events)
     a.finish()

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
 
 from streamsan import events as E  # noqa: E402
 from streamsan.agents import StreamRegistry  # noqa: E402
-from streamsan.analyzer import Analyzer  # noqa: E402
+from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers import cupy as C  # noqa: E402
 from streamsan.tracers import pinned_numpy  # noqa: E402

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from streamsan import events as E
-from streamsan.analyzer import Analyzer
+from streamsan.analysis.analyzer import Analyzer
 from streamsan.helper import AnalysisHelper
 from streamsan.session import Session
 from streamsan.trace import TraceReader

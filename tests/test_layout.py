@@ -1,4 +1,4 @@
-"""streamsan.layout.touch_common_bytes: whether two byte ranges (dense or strided views) share a byte.
+"""streamsan.analysis.layout.touch_common_bytes: whether two byte ranges (dense or strided views) share a byte.
 
 Exact for small views and for views that are boxes in one nested stride system (any size); conservative (True)
 only for large views that are neither.
@@ -18,7 +18,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from streamsan.layout import MAX_RUNS, touch_common_bytes  # noqa: E402
+from streamsan.analysis.layout import MAX_RUNS, touch_common_bytes  # noqa: E402
 
 
 

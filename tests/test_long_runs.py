@@ -22,7 +22,7 @@ for _p in (str(ROOT), str(ROOT / "bench")):
 from synth import decode_trace  # noqa: E402
 
 from streamsan import events as E  # noqa: E402
-from streamsan.analyzer import Analyzer  # noqa: E402
+from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 
 BATCH = 4096
 WINDOW = 200_000
@@ -54,7 +54,7 @@ def run(events):
         m["shadow"] = max(m["shadow"], a.shadow_size())
         m["live"] = max(m["live"], a.allocator.live_count())
         m["pending"] = max(m["pending"], sum(map(len, a.allocator.pending.values())))
-        m["cuda_events"] = max(m["cuda_events"], len(a.events))
+        m["cuda_events"] = max(m["cuda_events"], len(a.clocks.events))
         if end:
             dead = sum(1 for sh in a.shadow.values() for seg in sh if seg.block is None or seg.block.freed)
             m["dead"], m["alive"], m["blocks"] = dead, a.shadow_size() - dead, a.allocator.live_count()
@@ -83,7 +83,7 @@ def test_two_million_events_of_churn_in_flat_memory():
     assert first < 25_000, windows  # about retire_every / 3 ranges at the top of the saw-tooth
 
 
-@pytest.mark.xfail(strict=True, reason="retirement runs only when the host synchronizes (Analyzer._host_learns): "
+@pytest.mark.xfail(strict=True, reason="retirement runs only when the host synchronizes (Analyzer._host_synced): "
                                        "without host syncs the history of freed memory is never retired")
 def test_churn_without_host_syncs_in_flat_memory():
     a, windows = run(without_host_syncs(decode_trace(400_000, churn=4)))

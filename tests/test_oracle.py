@@ -217,7 +217,7 @@ def check_against_oracle(trace, Analyzer):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 @given(traces())
 def test_analyzer_matches_oracle(trace):
-    Analyzer = pytest.importorskip("streamsan.analyzer").Analyzer
+    Analyzer = pytest.importorskip("streamsan.analysis.analyzer").Analyzer
     check_against_oracle(trace, Analyzer)
 
 
@@ -228,7 +228,7 @@ def test_analyzer_matches_oracle_on_reuse_heavy_traces(trace):
     """The same bytes reallocated several times, by both streams and from pools: the shape of missing-record-stream
     findings and of the races folded into them (on the freed block's bytes only, and only once the finding is
     known)."""
-    Analyzer = pytest.importorskip("streamsan.analyzer").Analyzer
+    Analyzer = pytest.importorskip("streamsan.analysis.analyzer").Analyzer
     check_against_oracle(trace, Analyzer)
 
 
@@ -238,7 +238,7 @@ def test_analyzer_matches_oracle_on_reuse_heavy_traces(trace):
 def test_analyzer_matches_oracle_with_an_allocator_that_reports_no_frees(trace):
     """Device memory allocated again over live blocks by any stream (PyTorch's cudaMallocAsync backend, whose
     allocations the tracer declares): the end of a life orders its owner's and recorded users' accesses only."""
-    Analyzer = pytest.importorskip("streamsan.analyzer").Analyzer
+    Analyzer = pytest.importorskip("streamsan.analysis.analyzer").Analyzer
     check_against_oracle(trace, Analyzer)
 
 
@@ -401,7 +401,7 @@ def test_oracle_deferred_reuse_edge_and_missing_record_stream():
     o = Oracle(t)
     assert o.classify(3, 7, 0, 0) == ("alloc-reuse", True)
     assert o.classify(4, 7, 0, 8) == ("alloc-reuse", True)
-    a = pytest.importorskip("streamsan.analyzer").Analyzer(keep_occurrences=True)
+    a = pytest.importorskip("streamsan.analysis.analyzer").Analyzer(keep_occurrences=True)
     a.feed(t)
     a.finish()
     assert [f.kind for f in a.sorted_findings()] == ["missing-record-stream"]
@@ -416,7 +416,7 @@ def test_oracle_missing_record_stream_waits_for_an_allocation_from_the_blocks_po
                E.free(0, 0), E.alloc(0, 64, 8, S1),  # 5
                E.alloc(0, 32, 8, S1, pool=7)]  # 6
     assert Oracle(t).mrs == {(3, 6)}
-    a = pytest.importorskip("streamsan.analyzer").Analyzer()
+    a = pytest.importorskip("streamsan.analysis.analyzer").Analyzer()
     a.feed(t)
     a.finish()
     assert [(f.kind, f.previous.name, f.current.seq) for f in a.sorted_findings()] == [

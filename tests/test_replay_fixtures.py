@@ -110,7 +110,7 @@ def test_the_engines_gradient_records_keep_fsdp_clean():
     on and records them there in C++; the tracer writes those records as RECORD_STREAM events with the backward
     node's stack. Without them the trace would give a false missing-record-stream."""
     from streamsan import events as E
-    from streamsan.analyzer import Analyzer
+    from streamsan.analysis.analyzer import Analyzer
     from streamsan.trace import TraceReader
 
     engine_stacks, dropped, stripped = set(), 0, Analyzer()
@@ -136,7 +136,7 @@ def test_a_replayed_memory_pool_block_waits_for_its_pool():
     allocation of its owner outside the pool. The trace's pool field is what keeps it clean: without it the block
     would be taken for one of the owner's own free lists, and reported."""
     from streamsan import events as E
-    from streamsan.analyzer import Analyzer
+    from streamsan.analysis.analyzer import Analyzer
     from streamsan.trace import TraceReader
 
     assert replay_trace(str(FIXTURES / "mempool_block_not_reused_outside_pool.sstrace"))["races"] == []

@@ -288,7 +288,7 @@ def test_a_trace_whose_tracer_stopped_replays_as_incomplete():
     """A tracer's note that it stopped on a bug of its own (in a trace a process of ``streamsan wrap`` left): the
     report of those events is incomplete, and its problems say why."""
     from streamsan import events as E
-    from streamsan.analyzer import Analyzer
+    from streamsan.analysis.analyzer import Analyzer
     from streamsan.report.build import build_report
 
     text = f"{E.TRACING_STOPPED} at aten.copy_.default (ValueError: x); findings cover what ran before it"

@@ -20,11 +20,11 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from streamsan import events as E  # noqa: E402
-from streamsan.analyzer import Analyzer  # noqa: E402
+from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 from streamsan.events import (BLOCKING, HOST, LEGACY_DEFAULT, OP_BLOCKING, PINNED, alloc, def_stack,  # noqa: E402
                               device_sync, event_record, event_sync, event_wait, free, host_access, op,
                               record_stream, rng, stream, stream_sync)
-from streamsan.findings import (ALLOC_REUSE, DEVICE_DEVICE, HOST_DEVICE, MISSING_RECORD_STREAM,  # noqa: E402
+from streamsan.analysis.findings import (ALLOC_REUSE, DEVICE_DEVICE, HOST_DEVICE, MISSING_RECORD_STREAM,  # noqa: E402
                                 fingerprint)
 
 A, B, C = 1, 2, 3
@@ -1077,8 +1077,8 @@ def test_core_imports_no_torch_or_cupy(tmp_path):
         (tmp_path / f"{name}.py").write_text(f"raise ImportError('streamsan core imported {name}')\n")
     code = textwrap.dedent("""
         import sys
-        import streamsan.events, streamsan.shadow, streamsan.allocator, streamsan.findings
-        import streamsan.layout, streamsan.trace, streamsan.analyzer
+        import streamsan.events, streamsan.analysis.shadow, streamsan.analysis.allocator, streamsan.analysis.findings
+        import streamsan.analysis.layout, streamsan.trace, streamsan.analysis.analyzer
         bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "cupy", "cupyx"))
         print("BAD", bad)
         assert not bad, bad

@@ -1,4 +1,4 @@
-"""streamsan.shadow: the byte-interval map (ShadowSpace) and access records (Access)."""
+"""streamsan.analysis.shadow: the byte-interval map (ShadowSpace) and access records (Access)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from streamsan.shadow import Access, ShadowRange, ShadowSpace  # noqa: E402
+from streamsan.analysis.shadow import Access, ShadowRange, ShadowSpace  # noqa: E402
 
 
 def spans(sh):

@@ -86,7 +86,7 @@ def test_frames_here_leaves_out_nothing_of_the_user():
 
 
 def test_a_backward_op_is_located_by_its_node_and_the_backward_call():
-    from streamsan.findings import ENGINE_FRAME, location
+    from streamsan.analysis.locations import ENGINE_FRAME, location
 
     frames = ((ENGINE_FRAME, 0, "MulBackward0"),
               ("/venv/lib/python3.12/site-packages/torch/_tensor.py", 623, "Tensor.backward"),

@@ -129,8 +129,8 @@ def test_changed_span_is_the_smallest_covering_slice(old, data):
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-from streamsan.analyzer import Analyzer  # noqa: E402
-from streamsan.findings import HOST_DEVICE  # noqa: E402
+from streamsan.analysis.analyzer import Analyzer  # noqa: E402
+from streamsan.analysis.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch import TorchTracer  # noqa: E402
 from torch_kit import pin  # noqa: E402

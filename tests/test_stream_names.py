@@ -109,7 +109,7 @@ def test_a_role_name_goes_only_to_streams_without_a_name():
 
 
 def test_a_name_given_later_wins_in_the_report():
-    from streamsan.analyzer import Analyzer
+    from streamsan.analysis.analyzer import Analyzer
 
     buf = EventBuffer()
     reg = StreamRegistry(buf)

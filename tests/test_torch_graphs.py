@@ -7,8 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from streamsan import events as E  # noqa: E402
-from streamsan.analyzer import Analyzer  # noqa: E402
-from streamsan.findings import DEVICE_DEVICE  # noqa: E402
+from streamsan.analysis.analyzer import Analyzer  # noqa: E402
+from streamsan.analysis.findings import DEVICE_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers import torch as T  # noqa: E402
 

@@ -198,7 +198,7 @@ def test_an_engine_callback_between_nodes_is_named_with_its_backward_call(tracer
     in a thread the engine never ran a node in, there is nothing to say."""
     import threading
 
-    from streamsan.findings import ENGINE_FRAME, location
+    from streamsan.analysis.locations import ENGINE_FRAME, location
     from streamsan.tracers import torch as tt
 
     monkeypatch.setattr(tt, "_current_autograd_node", lambda: None)

@@ -98,7 +98,7 @@ def test_a_synchronous_collective_also_makes_the_current_stream_wait_after_it():
 
 def analyze_collective_then(after):
     """An async all-reduce of a block allocated on SRC, as the tracer places it, then ``after``: the findings."""
-    from streamsan.analyzer import Analyzer
+    from streamsan.analysis.analyzer import Analyzer
 
     tracer = TorchTracer(EventBuffer())
     inner = [E.event_record(21, SRC), E.event_wait(21, NCCL), E.event_record(22, NCCL)]

@@ -12,7 +12,7 @@ import pytest
 
 from streamsan import events as E
 from streamsan.events import UNREPORTED_POOL, alloc, event_record, event_wait, op, record_stream, stream_sync
-from streamsan.findings import ALLOC_REUSE, MISSING_RECORD_STREAM
+from streamsan.analysis.findings import ALLOC_REUSE, MISSING_RECORD_STREAM
 from test_rules import KB, A, B, C, D, BASE, check, none, run, streams
 
 OVERLAP_NOTE = ("warning", "an allocation overlapped live memory (a free was not seen)")

@@ -36,7 +36,7 @@ def pinned_after_copy(n=16, batch=512, copy_writes=True):
     """(tracer, analyzer, host): a tracer (not started) feeding an analyzer, and a pinned block of ``n`` float32
     (``arange``) that a copy on stream SIDE has just written (or read: ``copy_writes=False``), which nothing
     waits for."""
-    from streamsan.analyzer import Analyzer
+    from streamsan.analysis.analyzer import Analyzer
     from streamsan.sink import EventBuffer
     from streamsan.tracers.torch import TorchTracer
 

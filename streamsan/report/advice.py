@@ -9,7 +9,7 @@ placeholder (``<graph capture stream>``, ``<stream 0x...>``) when it is not code
 from __future__ import annotations
 
 from ..events import UNTRACED_REFILL
-from ..findings import ALLOC_REUSE, HOST_DEVICE, MISSING_RECORD_STREAM
+from ..analysis.findings import ALLOC_REUSE, HOST_DEVICE, MISSING_RECORD_STREAM
 
 
 def stream_code(agent: dict) -> str:

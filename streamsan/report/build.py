@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 
 from ..events import HOST, PINNED, TRACING_STOPPED
-from ..findings import KINDS, MISSING_RECORD_STREAM, is_library_frame, location
+from ..analysis.findings import KINDS, MISSING_RECORD_STREAM
+from ..analysis.locations import is_library_frame, location
 from . import advice
 
 SCHEMA = "streamsan.report/1"

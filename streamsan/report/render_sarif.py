@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from urllib.parse import quote
 
-from ..findings import KINDS
+from ..analysis.findings import KINDS
 from .advice import agent_text
 from .build import version
 from .render_text import action

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .. import events as E
 from ..events import HOST
-from ..findings import location
+from ..analysis.locations import location
 from .build import agent_item
 
 LIMIT = 12

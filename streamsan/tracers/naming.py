@@ -18,7 +18,7 @@ import linecache
 import re
 import sys
 
-from ..findings import is_library_frame
+from ..analysis.locations import is_library_frame
 from ..stacks import is_own_file
 
 _TARGET = re.compile(r"^\s*([A-Za-z_][\w.]*(?:\[[^\]=\n]*\])*)\s*(?::[^=\n]+)?=(?!=)")

@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import events as E
 from ..agents import StreamRegistry
-from ..findings import ENGINE_FRAME
+from ..analysis.locations import ENGINE_FRAME
 from ..stacks import USER, StackTable, is_own_file
 from .graphs import GraphAccesses
 from .indices import DERIVED, INDEX_DTYPES, INDEXED_OPS, IndexValues, flat_values, indexed_rows

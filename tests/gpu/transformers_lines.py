@@ -6,7 +6,7 @@ import inspect
 
 from transformers import cache_utils
 
-from streamsan.findings import short_path
+from streamsan.analysis.locations import short_path
 
 
 def line_of(func, text):

@@ -79,6 +79,40 @@ class ShadowRange:
         else:
             yield r
 
+    def retain(self, keep) -> None:
+        """Forget the accesses for which ``keep(access)`` is false."""
+        w = self.write
+        if w is not None:
+            if type(w) is list:
+                kept = [x for x in w if keep(x)]
+                self.write = kept if len(kept) > 1 else (kept[0] if kept else None)
+            elif not keep(w):
+                self.write = None
+        r = self.reads
+        if r is not None:
+            if type(r) is dict:
+                self.reads = {k: x for k, x in r.items() if keep(x)} or None
+            elif not keep(r):
+                self.reads = None
+
+    def forget_known(self, clock: list) -> None:
+        """Forget the accesses whose epoch is in vector clock ``clock``: those an agent at that clock has
+        synchronized past."""
+        # (clocks.knows written out: this runs for every access of a range at each reuse and each retirement)
+        w = self.write
+        if w is not None:
+            if type(w) is list:
+                kept = [x for x in w if x.clock > clock[x.agent]]
+                self.write = kept if len(kept) > 1 else (kept[0] if kept else None)
+            elif w.clock <= clock[w.agent]:
+                self.write = None
+        r = self.reads
+        if r is not None:
+            if type(r) is dict:
+                self.reads = {k: x for k, x in r.items() if x.clock > clock[x.agent]} or None
+            elif r.clock <= clock[r.agent]:
+                self.reads = None
+
     def __repr__(self) -> str:
         return f"ShadowRange([{self.start:#x}, {self.end:#x}) w={self.write} r={self.reads})"
 

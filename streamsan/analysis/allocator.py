@@ -4,13 +4,13 @@ A :class:`Block` is one life of an allocation. The caching allocator hands a fre
 allocations on its owner stream at once, except that it waits for the work of streams named by
 ``record_stream``. So a freed block whose life saw an access by another, unrecorded stream leaves a
 *pending* access: :class:`AllocatorModel` keeps those per owner stream (and private memory pool, where the
-block came from one) until the owner's next allocation from the same pool, where the analyzer decides whether
-they are still unordered (DESIGN §3).
+block came from one) until the owner's next allocation from the same pool, where the analysis decides whether
+they are still unordered (``docs/semantics.md``, "Missing record_stream").
 """
 
 from __future__ import annotations
 
-from .events import PINNED
+from ..events import PINNED
 
 
 _NO_STREAMS: frozenset = frozenset()
@@ -69,21 +69,25 @@ class AllocatorModel:
         d = self.live.get(space)
         return d.get(start) if d else None
 
-    def release(self, block: Block, unordered) -> None:
-        """Mark block freed; ``unordered(access)`` says whether a foreign access may still be in flight
-        for the owner. Those become pending until the owner's next allocation."""
+    def release(self, block: Block) -> list:
+        """Mark block freed; returns the accesses the allocator does not wait for before handing it out again:
+        each other stream's last access to it, unless ``record_stream`` named that stream (none for pinned memory,
+        whose allocator waits for every stream)."""
         block.freed = True
         d = self.live.get(block.space)
         if d is not None and d.get(block.start) is block:
             del d[block.start]
         if block.space == PINNED or not block.foreign:
             block.foreign = None
-            return
+            return []
         recorded = block.recorded
-        pend = [a for g, a in block.foreign.items() if g not in recorded and unordered(a)]
+        unwaited = [a for g, a in block.foreign.items() if g not in recorded]
         block.foreign = None
-        if pend:
-            self.pending.setdefault((block.owner, block.pool), []).append((block, pend))
+        return unwaited
+
+    def defer(self, block: Block, accesses: list) -> None:
+        """Keep a freed block's accesses still in flight pending until its owner's next allocation from its pool."""
+        self.pending.setdefault((block.owner, block.pool), []).append((block, accesses))
 
     def live_count(self) -> int:
         return sum(len(d) for d in self.live.values())
