@@ -53,8 +53,8 @@ measure("trace on, no Python callback")
 gt.register_callback_for_memory_allocation(lambda p: None)
 gt.register_callback_for_memory_deallocation(lambda p: None)
 measure("trace on, empty callbacks")
-from streamsan.tracers.torch import _GpuTrace  # noqa: E402
+from streamsan.tracers.torch.callbacks import GpuTrace  # noqa: E402
 
-_GpuTrace.install()
+GpuTrace.install()
 measure("+ streamsan's (inactive)")
 measure("plain-with-all again")

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from streamsan.analyzer import Analyzer  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 
 class NoOp(TorchDispatchMode):

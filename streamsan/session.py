@@ -120,7 +120,7 @@ class Session:
             self._torch_unsupported = True
             self._note(problem)
             return
-        from .tracers.torch import TorchTracer
+        from .tracers.torch.tracer import TorchTracer
 
         tracer = TorchTracer(self.buffer, self.streams, self.stacks, scope=self.scope)
         tracer.on_note = self._note

@@ -10,7 +10,7 @@ dynamo = pytest.importorskip("torch._dynamo")
 from streamsan import events as E  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers import torch as torch_tracer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 
 def test_compiled_code_runs_eagerly_under_the_tracer_and_no_streamsan_frame_is_compiled():

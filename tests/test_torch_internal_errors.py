@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from streamsan import events as E  # noqa: E402
 from streamsan.analyzer import Analyzer  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 
 @pytest.fixture

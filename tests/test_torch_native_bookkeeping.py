@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from streamsan import events as E  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 from torch_kit import cuda_like  # noqa: E402
 
 ENGINE_STACK, HOOK_STACK, CONSUMER = 7, 8, 3

@@ -12,7 +12,7 @@ np = pytest.importorskip("numpy")
 
 from streamsan.analyzer import Analyzer  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 PINNED: dict = {}
 

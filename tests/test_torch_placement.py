@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from streamsan import events as E  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 SRC, DST = 1, 2  # the current streams of the source and destination devices
 DEV0, DEV1 = 0x7000_0000, 0x9000_0000
@@ -128,7 +128,7 @@ def test_a_collective_without_a_hand_off_stays_on_the_current_stream():
 
 
 def test_an_op_whose_run_saw_another_threads_flush_is_not_lost():
-    from streamsan.tracers.torch import OpPlan
+    from streamsan.tracers.torch.rules import OpPlan
 
     got = []
     tracer = TorchTracer(EventBuffer([got.extend]))

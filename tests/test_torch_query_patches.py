@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from streamsan import events as E  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers import torch as tt  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 CLASSES = [torch.Event, torch.Stream, torch.cuda.Event, torch.cuda.Stream]
 
