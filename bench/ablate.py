@@ -19,10 +19,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from bench import decode_workload, qwen3  # noqa: E402
-from standin import NoOp  # noqa: E402  (a no-op dispatch mode as cheap as streamsan's own)
 from streamsan.session import Session  # noqa: E402
+from support.standin import NoOp  # noqa: E402  (a no-op dispatch mode as cheap as streamsan's own)
 
 
 def session(mode, tmp):

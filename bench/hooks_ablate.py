@@ -23,12 +23,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import decode_workload, qwen3  # noqa: E402
 
 import streamsan  # noqa: E402
-from streamsan.tracers import torch as tt  # noqa: E402
+from streamsan.tracers.torch import dispatch  # noqa: E402
+from streamsan.tracers.torch.callbacks import GpuTrace  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
-ORIGINAL = {n: getattr(tt.TorchTracer, n) for n in ("label", "_dispatch", "push_context", "pop_context")}
+ORIGINAL = {(TorchTracer, n): getattr(TorchTracer, n) for n in ("label", "push_context", "pop_context")}
+ORIGINAL[dispatch, "dispatch"] = dispatch.dispatch  # (the Python path the mode calls)
 
 
-def _run_op(self, func, args, kwargs):
+def _run_op(tracer, func, args, kwargs, plan=None):
     return func(*args, **kwargs)
 
 
@@ -44,21 +47,22 @@ def _pop_context_only(self, prev):
 
 ABLATIONS = {
     "hooks": {},
-    "no-labels": {"label": lambda self, tensor, text: None},
-    "py-path-untraced": {"_dispatch": _run_op},
-    "regions-untraced": {"push_context": _push_context_only, "pop_context": _pop_context_only},
+    "no-labels": {(TorchTracer, "label"): lambda self, tensor, text: None},
+    "py-path-untraced": {(dispatch, "dispatch"): _run_op},
+    "regions-untraced": {(TorchTracer, "push_context"): _push_context_only,
+                         (TorchTracer, "pop_context"): _pop_context_only},
 }
 
 
 def start(mode):
     """Set the tracer up for ``mode``; returns the session to stop after the run, or None."""
-    for name, fn in ORIGINAL.items():
-        setattr(tt.TorchTracer, name, fn)
+    for (owner, name), fn in ORIGINAL.items():
+        setattr(owner, name, fn)
     if mode == "callbacks":
-        tt._GpuTrace.install()
+        GpuTrace.install()
         return None
-    for name, fn in ABLATIONS[mode].items():
-        setattr(tt.TorchTracer, name, fn)
+    for (owner, name), fn in ABLATIONS[mode].items():
+        setattr(owner, name, fn)
     return streamsan.watch(scope="hooks").start()
 
 

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from streamsan.session import Session  # noqa: E402
-from streamsan.tracers import torch as tt  # noqa: E402
+from streamsan.tracers.torch import device  # noqa: E402
+from streamsan.tracers.torch.tensors import describe  # noqa: E402
 
 
 def per_call(fn, n=20000):
@@ -42,11 +43,11 @@ rows = [
     ("kv_host.to(cuda, non_blocking) (traced)", lambda: kv_host.to("cuda", non_blocking=True)),
     ("torch.cat([kv, kv], -2) (traced)", lambda: torch.cat([kv, kv], -2)),
     ("kv_host.is_pinned()", lambda: kv_host.is_pinned()),
-    ("_range_in(x, 0)", lambda: tr._range_in(x, 0)),
+    ("range_in(x, 0)", lambda: tr.range_in(x, 0)),
     ("stacks.capture", lambda: tr.stacks.capture([], 0)),
-    ("_cuda_getCurrentRawStream(0)", lambda: tt._cuda_raw_stream(0)),
+    ("_cuda_getCurrentRawStream(0)", lambda: device.raw_stream(0)),
     ("x.untyped_storage()", lambda: x.untyped_storage()),
-    ("describe(x)", lambda: tt.describe(x)),
+    ("describe(x)", lambda: describe(x)),
     ("x.is_contiguous()", lambda: x.is_contiguous()),
     ("x.data_ptr()", lambda: x.data_ptr()),
     ("x.nbytes", lambda: x.nbytes),

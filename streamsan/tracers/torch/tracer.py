@@ -103,7 +103,7 @@ class TorchTracer:
         self.graphs = GraphCaptures()
         self.in_scope = 1 if scope == "full" else 0  # hooks scope: inside hooked regions (any thread)
         self.modes: list = []
-        self.notes = Notes()
+        self.noted = Notes()
         self.on_note = None  # the session's note function (also tells the user once); else a NOTE event
         self.scope_depth = threading.local()
         self.undo_patches: list = []
@@ -279,7 +279,7 @@ class TorchTracer:
     def note_once(self, key: str, text: str) -> None:
         """Leave a note for the report, the first time for ``key``: to the session (``on_note``), else as a NOTE
         event."""
-        if self.notes.first(key, text):
+        if self.noted.first(key, text):
             if self.on_note is not None:
                 self.on_note(text)
             else:
@@ -288,7 +288,7 @@ class TorchTracer:
     @property
     def stopped_on_bug(self) -> bool:
         """Whether tracing stopped for good after a bug of streamsan's own (:meth:`stop_on_bug`)."""
-        return "internal" in self.notes
+        return "internal" in self.noted
 
     def stop_on_bug(self, exc, where: str) -> None:
         """A bug of streamsan's own surfaced at ``where``: stop tracing, log the traceback, say so in the report."""
