@@ -72,10 +72,10 @@ def fill_alloc_sizes(tracer, evs, mark, out) -> None:
 
 def place(tracer, evs, mark, op, out, pre=(), collective: bool = False) -> None:
     """Reorder the events fired inside an op (``evs[mark:]``): ``pre``, then its allocations (sized from its
-    outputs) with the frees of the temporaries it allocated and freed inside (:func:`.placement.split_inside`),
-    then the barrier its kernel waits for (:func:`_kernel_position`), then the op, then everything else (a blocking
-    copy's synchronization, the pinned allocator's event record, frees of memory allocated before). A collective
-    is moved to the stream it runs on."""
+    outputs) with the frees of the temporaries it allocated and freed inside
+    (:func:`streamsan.tracers.placement.split_inside`), then the barrier its kernel waits for
+    (:func:`_kernel_position`), then the op, then everything else (a blocking copy's synchronization, the pinned
+    allocator's event record, frees of memory allocated before). A collective is moved to the stream it runs on."""
     if tracer.staged.kept:
         tracer.staged.forget(op[4])
     sizes = output_blocks(out)

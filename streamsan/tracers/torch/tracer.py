@@ -65,7 +65,8 @@ MAX_ATTRIBUTES = 30
 
 
 class TorchTracer:
-    """Feeds events about the torch program into ``buffer`` (a :class:`streamsan.sink.EventBuffer`).
+    """Feeds events about the torch program into ``buffer`` (a :class:`streamsan.sink.EventBuffer`); a
+    :class:`streamsan.tracers.protocol.Tracer` and a :class:`streamsan.tracers.protocol.PinnedMemoryOwner`.
 
     ``streams`` / ``stacks``: the session's shared stream registry and stack table. ``scope="full"`` traces
     every op from :meth:`start`; ``scope="hooks"`` traces ops only inside :meth:`push_context` regions (entered by
