@@ -181,9 +181,9 @@ class Mode:
             self.ctx = NoOp()
             self.ctx.__enter__()
         elif self.name == "callbacks":
-            from streamsan.tracers.torch import _GpuTrace
+            from streamsan.tracers.torch.callbacks import GpuTrace
 
-            _GpuTrace.install()  # PyTorch's GPU trace callbacks on, reaching no tracer
+            GpuTrace.install()  # PyTorch's GPU trace callbacks on, reaching no tracer
         elif self.name == "record":
             self.ctx = Session(trace_path=os.path.join(self.tmp, f"bench-{time.time_ns()}.sstrace"),
                                analyze=False, compress_trace=False).start()  # uncompressed, as under wrap
@@ -264,9 +264,9 @@ def run_workload(w, modes, runs, big_runs):
              or (m == "hooks" and not hooks_early)]
     after = [m for m in after if m not in skip]
     res = measure_rounds(before, fn, runs, tmp)
-    from streamsan.tracers.torch import _GpuTrace
+    from streamsan.tracers.torch.callbacks import GpuTrace
 
-    if _GpuTrace.installed:
+    if GpuTrace.installed:
         print(f"  {w}: the hooks scope turned PyTorch's GPU trace callbacks on: the plain and floor runs after its "
               "first run paid them too", file=sys.stderr, flush=True)
     res.update(measure_rounds(after, fn, runs, tmp))

@@ -1,20 +1,26 @@
 /* The torch tracer's common case in C: an aten op on plain CUDA tensors.
  *
  * A `Dispatch` object is installed as a dispatch mode's `__torch_dispatch__` (an instance attribute, so that
- * PyTorch calls it directly, without a Python frame). For an op whose plan it can follow (kind 1-3 below) and
- * whose tensors are all plain CUDA tensors, it does what `TorchTracer._dispatch` does, step for step, and
+ * PyTorch calls it directly, without a Python frame). For an op whose plan it can follow (the plan kinds below) and
+ * whose tensors are all plain CUDA tensors, it does what the Python dispatch (`dispatch.dispatch`) does, step for
+ * step, and
  * appends the same events; the rare sub-cases (non-contiguous tensors, several outputs, events fired inside the
  * op other than its one allocation, autograd engine threads) call the same Python methods the Python path calls.
  * Anything else it declines before touching the tracer's state: it calls the mode's Python `__torch_dispatch__`
  * (the fallback), which handles every op. So findings are those of the Python tracer, by construction; the
  * tests compare the two event streams on the same programs.
  *
- * Plan kinds (`OpPlan.fast[0]`): 0 the Python path only; 1 no access, no fresh output (call the op);
- * 2 no access, fresh outputs (call the op, size its allocations); 3 an op with accesses (copies between device
- * tensors too; a copy with a `device` argument, to or from the host, is the Python path's).
+ * Plan kinds (the `kind` of `OpPlan.fast`): any other than these the Python path only; untouched: no access, no
+ * fresh output (call the op); allocating: no access, fresh outputs (call the op, size its allocations); accesses:
+ * an op with accesses (copies between device tensors too; a copy with a `device` argument, to or from the host, is
+ * the Python path's).
  *
  * A `Callback` object is one of PyTorch's allocation, free, event record and event wait callbacks
- * (`_GpuTrace.install`): the common case here, the rest by the Python callback it wraps.
+ * (`GpuTrace.install`): the common case here, the rest by the Python callback it wraps.
+ *
+ * What it reads and calls by name, and the constants it works with (event codes, plan kinds, the field positions
+ * of the tuples it reads and makes), are the tracer's: `streamsan/tracers/torch/ccore.py` lists the names and
+ * passes the constants to configure(), which keeps them in the static variables below.
  *
  * Needs Python 3.11 or later (the public frame API of the stack capture); before, the module builds empty
  * (`AVAILABLE` 0) and the Python tracer runs alone.
@@ -36,12 +42,55 @@ static long g_dev_offset;        /* added to get_device() (the stand-in's CPU te
 static PyObject *g_op, *g_alloc, *g_zero;
 static long g_alloc_code;
 static long g_user_kind;
+static long g_kind_untouched, g_kind_allocating, g_kind_accesses; /* the plan kinds the core handles */
+static int g_cb_alloc, g_cb_free, g_cb_event;                     /* the kinds of a Callback */
+static int g_configured;                                          /* whether configure() ran */
+
+/* The positions of the fields of a tuple the core reads or makes: `at` is indexed by the field enums below (the
+ * order of the names in the matching *_FIELDS list), `size` is the tuple's length (its least, for an ALLOC event,
+ * which may carry a pool after its fields). */
+typedef struct {
+    Py_ssize_t size;
+    Py_ssize_t at[8];
+} Layout;
+
+enum { FAST_KIND, FAST_CALL, FAST_NAME, FAST_TENSOR_ARGS, FAST_FRESH_OUTPUTS, FAST_IS_COPY };
+static const char *const FAST_FIELDS[] = {"kind", "call", "name", "tensor_args", "fresh_outputs", "is_copy", NULL};
+enum { ARG_POSITION, ARG_NAME, ARG_IS_WRITE, ARG_IS_LIST };
+static const char *const ARG_FIELDS[] = {"position", "name", "is_write", "is_list", NULL};
+enum { CUR_DEVICE, CUR_AGENT, CUR_STACK, CUR_CTX, CUR_THREAD, CUR_EVENTS };
+static const char *const CURRENT_OP_FIELDS[] = {"device", "agent", "stack", "ctx", "thread", "events", NULL};
+enum { OP_KIND, OP_AGENT, OP_NAME, OP_READS, OP_WRITES, OP_STACK, OP_CTX, OP_FLAGS };
+static const char *const OP_FIELDS[] = {"kind", "agent", "name", "reads", "writes", "stack", "ctx", "flags", NULL};
+enum { ALLOC_KIND, ALLOC_SPACE, ALLOC_START, ALLOC_SIZE, ALLOC_AGENT, ALLOC_STACK, ALLOC_CTX, ALLOC_WHAT };
+static const char *const ALLOC_FIELDS[] = {"kind", "space", "start", "size", "agent", "stack", "ctx", "what", NULL};
+enum { FREE_KIND, FREE_SPACE, FREE_START, FREE_STACK };
+static const char *const FREE_FIELDS[] = {"kind", "space", "start", "stack", NULL};
+enum { SEV_KIND, SEV_EVENT, SEV_AGENT, SEV_STACK };
+static const char *const STREAM_EVENT_FIELDS[] = {"kind", "event", "agent", "stack", NULL};
+
+/* OpPlan.fast, an item of its tensor_args, the op being dispatched (`op_agent`), and the OP, ALLOC, FREE and
+ * EVENT_RECORD / EVENT_WAIT events */
+static Layout L_FAST, L_ARG, L_CUR, L_OP, L_ALLOC, L_FREE, L_SEV;
+
+#define AT(tuple, layout, field) PyTuple_GET_ITEM(tuple, (layout).at[field])
+
+/* A new tuple laid out as `l`: items[k] (a new reference to each) at the position of field k. */
+static PyObject *laid_out(const Layout *l, PyObject *const *items) {
+    PyObject *t = PyTuple_New(l->size);
+    if (t == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < l->size; k++) {
+        Py_INCREF(items[k]);
+        PyTuple_SET_ITEM(t, l->at[k], items[k]);
+    }
+    return t;
+}
 
 static PyObject *s_tracing, *s_plans, *s_buffer, *s_events, *s_ctx, *s_agent_of, *s_op_agent, *s_ops_of_threads,
     *s_saw_cuda,
     *s_batch, *s_engine_threads, *s_stacks, *s_nbytes, *s_data_ptr, *s_is_contiguous, *s_get_device,
-    *s_untyped_storage, *s_range_in, *s_outputs, *s_place, *s_fill_alloc_sizes, *s_engine_op, *s_flush, *s_agent,
-    *s_stop_on_bug, *s_fast, *s_pin_memory, *s_kind, *s_ids, *s_classify, *s_define, *s_no_frames, *s_key_users,
+    *s_untyped_storage, *s_range_in, *s_output_ranges, *s_place, *s_fill_alloc_sizes, *s_engine_op, *s_flush, *s_agent,
+    *s_stop_on_bug, *s_fast, *s_pin_memory, *s_kinds, *s_ids, *s_classify, *s_define, *s_no_frames, *s_key_users,
     *s_max_key, *s_device, *s_agent_for_handle, *s_dtype, *s_shape, *s_stride, *s_element_size, *s_in_scope,
     *s_index_values, *s_spans, *s_values_after;
 
@@ -54,7 +103,7 @@ typedef struct {
     long key_users, max_key;
     Py_ssize_t batch; /* buffer.batch (set once, when the buffer is made) */
     int saw_cuda;     /* whether this dispatch has set tracer.saw_cuda (which nothing sets back) */
-    /* code object -> its kind in the stack table (a memo of `stacks._kind`, whose code objects the table keeps
+    /* code object -> its kind in the stack table (a memo of `stacks.kinds`, whose code objects the table keeps
      * alive): open addressing, a power-of-two capacity */
     struct KindSlot {
         const void *code;
@@ -116,9 +165,9 @@ static PyObject *range3(long dev, PyObject *a, PyObject *b) {
     return NULL;
 }
 
-/* The byte range of a strided device tensor `t` at pointer p of n bytes, as `_range_in` gives it: (dev, p, n)
+/* The byte range of a strided device tensor `t` at pointer p of n bytes, as `range_in` gives it: (dev, p, n)
  * when its elements cover its extent densely, else (dev, p, extent, (itemsize, sizes, strides)). Steals p and n.
- * NULL on any error: the caller leaves the tensor to `_range_in`. */
+ * NULL on any error: the caller leaves the tensor to `range_in`. */
 static PyObject *strided_range(PyObject *t, long dev, PyObject *p, PyObject *n) {
     PyObject *shape = NULL, *sizes = NULL, *strides = NULL, *its = NULL, *r = NULL;
     if ((shape = PyObject_GetAttr(t, s_shape)) == NULL) goto done;
@@ -162,7 +211,7 @@ done:
     return r;
 }
 
-/* The byte range of a device tensor, as the tracer's `_range_in(t, dev)` gives it: (dev, ptr, n) for a dense
+/* The byte range of a device tensor, as the tracer's `range_in(t, dev)` gives it: (dev, ptr, n) for a dense
  * one, with its layout for a strided one; the Python method for the rest (empty, sparse, no storage). New
  * reference, Py_None, or NULL. */
 static PyObject *tensor_range(PyObject *tracer, PyObject *t, long dev) {
@@ -438,15 +487,15 @@ static long scan_args(PyObject *tracer, PyObject *tensor_args, int is_copy, PyOb
     Py_ssize_t nargs = PyTuple_GET_SIZE(args);
     Py_ssize_t na = PyTuple_GET_SIZE(tensor_args);
     for (Py_ssize_t i = 0; i < na; i++) {
-        PyObject *spec = PyTuple_GET_ITEM(tensor_args, i); /* (position, name, is_write, is_list) */
-        long pos = PyLong_AsLong(PyTuple_GET_ITEM(spec, 0));
-        int is_write = PyObject_IsTrue(PyTuple_GET_ITEM(spec, 2));
-        int is_list = PyObject_IsTrue(PyTuple_GET_ITEM(spec, 3));
+        PyObject *spec = PyTuple_GET_ITEM(tensor_args, i); /* (position, name, is_write, is_list), as L_ARG says */
+        long pos = PyLong_AsLong(AT(spec, L_ARG, ARG_POSITION));
+        int is_write = PyObject_IsTrue(AT(spec, L_ARG, ARG_IS_WRITE));
+        int is_list = PyObject_IsTrue(AT(spec, L_ARG, ARG_IS_LIST));
         PyObject *v; /* borrowed */
         if (0 <= pos && pos < nargs) {
             v = PyTuple_GET_ITEM(args, pos);
         } else {
-            v = kwargs != NULL ? PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(spec, 1)) : NULL;
+            v = kwargs != NULL ? PyDict_GetItemWithError(kwargs, AT(spec, L_ARG, ARG_NAME)) : NULL;
             if (v == NULL && PyErr_Occurred()) return -2;
         }
         if (v == NULL || v == Py_None) continue;
@@ -525,7 +574,7 @@ static int touches_spans(PyObject *spans, PyObject *writes) {
     return 0;
 }
 
-/* Kind 3, after the scan found a device: everything `_dispatch` does from the agent on. `ran`/`out` tell the
+/* Kind 3, after the scan found a device: everything the Python dispatch does from the agent on. `ran`/`out` tell the
  * caller whether the op ran (on error). */
 static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObject *name, int fresh_outputs,
                             PyObject *args,
@@ -578,9 +627,12 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
     if (stack == NULL) goto error;
     ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
     if (ident == NULL) goto error;
-    inner = PyList_New(0); /* the op's own events (as TorchTracer's _OpEvents) */
+    inner = PyList_New(0); /* the op's own events (as the Python path's OpEvents) */
     if (inner == NULL) goto error;
-    mine = PyTuple_Pack(6, devobj, agent, stack, ctx, ident, inner);
+    {
+        PyObject *items[6] = {devobj, agent, stack, ctx, ident, inner};
+        mine = laid_out(&L_CUR, items);
+    }
     if (mine == NULL) goto error;
     if (PyObject_SetAttr(tracer, s_op_agent, mine) < 0) goto error;
     ops = PyObject_GetAttr(buffer, s_ops_of_threads);
@@ -666,7 +718,7 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
         }
         if (!handled) {
             PyObject *argv[3] = {tracer, out, writes};
-            PyObject *r = PyObject_VectorcallMethod(s_outputs, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            PyObject *r = PyObject_VectorcallMethod(s_output_ranges, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
             if (r == NULL) goto error;
             Py_DECREF(r);
         }
@@ -677,7 +729,7 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
     }
     if (PyList_GET_SIZE(d->index_spans) > 0 &&
         (touches_spans(d->index_spans, writes) || touches_spans(d->index_spans, reads))) {
-        /* an op on known index values: TorchTracer._values_after, as _dispatch calls it */
+        /* an op on known index values: the tracer's values_after, as the Python dispatch calls it */
         PyObject *argv[7] = {tracer, plan, args, kwargs != NULL ? kwargs : Py_None, out, reads, writes};
         PyObject *r = PyObject_VectorcallMethod(s_values_after, argv, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         if (r == NULL) goto error;
@@ -690,7 +742,8 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
             Py_XDECREF(wt);
             goto error;
         }
-        op = PyTuple_Pack(8, g_op, agent, name, rt, wt, stack, ctx, g_zero);
+        PyObject *items[8] = {g_op, agent, name, rt, wt, stack, ctx, g_zero};
+        op = laid_out(&L_OP, items);
         Py_DECREF(rt);
         Py_DECREF(wt);
         if (op == NULL) goto error;
@@ -703,10 +756,10 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
             placed = 1;
         } else if (inner == 1 && single != NULL) {
             PyObject *ev = PyList_GET_ITEM(evs, mark); /* borrowed */
-            if (PyTuple_Check(ev) && PyTuple_GET_SIZE(ev) >= 8 &&
-                PyLong_AsLong(PyTuple_GET_ITEM(ev, 0)) == g_alloc_code) {
-                int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(ev, 2), single, Py_EQ);
-                int sized = same > 0 ? PyObject_IsTrue(PyTuple_GET_ITEM(ev, 3)) : 0;
+            if (PyTuple_Check(ev) && PyTuple_GET_SIZE(ev) >= L_ALLOC.size &&
+                PyLong_AsLong(AT(ev, L_ALLOC, ALLOC_KIND)) == g_alloc_code) {
+                int same = PyObject_RichCompareBool(AT(ev, L_ALLOC, ALLOC_START), single, Py_EQ);
+                int sized = same > 0 ? PyObject_IsTrue(AT(ev, L_ALLOC, ALLOC_SIZE)) : 0;
                 if (same < 0 || sized < 0) goto error;
                 if (same && !sized) {
                     /* the common case: the op allocated its one contiguous output */
@@ -720,7 +773,7 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
                         Py_DECREF(size);
                         goto error;
                     }
-                    PyObject *s5 = PyTuple_GET_ITEM(ev, 5), *s6 = PyTuple_GET_ITEM(ev, 6);
+                    PyObject *s5 = AT(ev, L_ALLOC, ALLOC_STACK), *s6 = AT(ev, L_ALLOC, ALLOC_CTX);
                     int t5 = PyObject_IsTrue(s5), t6 = PyObject_IsTrue(s6);
                     if (t5 < 0 || t6 < 0) {
                         Py_DECREF(size);
@@ -734,15 +787,15 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
                         Py_DECREF(what);
                         goto error;
                     }
-                    PyObject *items[8] = {g_alloc, PyTuple_GET_ITEM(ev, 1), single, size, PyTuple_GET_ITEM(ev, 4),
-                                          t5 ? s5 : stack, t6 ? s6 : ctx, what};
-                    for (int i = 0; i < 8; i++) {
-                        Py_INCREF(items[i]);
-                        PyTuple_SET_ITEM(nev, i, items[i]);
+                    PyObject *items[8] = {g_alloc, AT(ev, L_ALLOC, ALLOC_SPACE), single, size,
+                                          AT(ev, L_ALLOC, ALLOC_AGENT), t5 ? s5 : stack, t6 ? s6 : ctx, what};
+                    for (Py_ssize_t k = 0; k < L_ALLOC.size; k++) {
+                        Py_INCREF(items[k]);
+                        PyTuple_SET_ITEM(nev, L_ALLOC.at[k], items[k]);
                     }
                     Py_DECREF(size); /* (the tuple holds its own references) */
                     Py_DECREF(what);
-                    for (Py_ssize_t i = 8; i < len; i++) {
+                    for (Py_ssize_t i = L_ALLOC.size; i < len; i++) {
                         PyObject *x = PyTuple_GET_ITEM(ev, i);
                         Py_INCREF(x);
                         PyTuple_SET_ITEM(nev, i, x);
@@ -811,7 +864,7 @@ error:
     return result;
 }
 
-/* A bug of streamsan's own surfaced in the C path: the tracer stops tracing and says so (`_stop_on_bug`), and
+/* A bug of streamsan's own surfaced in the C path: the tracer stops tracing and says so (`stop_on_bug`), and
  * the program goes on: with the op's output if it ran, else the op run now. */
 static PyObject *internal_error(Dispatch *d, PyObject *func, PyObject *args, PyObject *kwargs, int ran,
                                 PyObject *out) {
@@ -869,24 +922,24 @@ static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size
         return fallback(d, argv, nargs); /* the first time: the Python path makes the plan */
     }
     PyObject *fast = PyObject_GetAttr(plan, s_fast);
-    if (fast == NULL || !PyTuple_Check(fast) || PyTuple_GET_SIZE(fast) != 6) {
+    if (fast == NULL || !PyTuple_Check(fast) || PyTuple_GET_SIZE(fast) != L_FAST.size) {
         Py_DECREF(plan);
         Py_XDECREF(fast);
         PyErr_Clear();
         return fallback(d, argv, nargs);
     }
-    long kind = PyLong_AsLong(PyTuple_GET_ITEM(fast, 0));
-    PyObject *call = PyTuple_GET_ITEM(fast, 1);
+    long kind = PyLong_AsLong(AT(fast, L_FAST, FAST_KIND));
+    PyObject *call = AT(fast, L_FAST, FAST_CALL);
     PyObject *result = NULL;
-    if (kind == 1) {
+    if (kind == g_kind_untouched) {
         result = PyObject_Call(call, args, kwargs);
-    } else if (kind == 2) {
+    } else if (kind == g_kind_allocating) {
         int ran = 0;
         PyObject *out = NULL;
         result = run_allocating(d, call, args, kwargs, &ran, &out);
         if (result == NULL && ran >= 0) result = internal_error(d, func, args, kwargs, ran, out);
         Py_XDECREF(out);
-    } else if (kind == 3) {
+    } else if (kind == g_kind_accesses) {
         PyObject *reads = PyList_New(0), *writes = PyList_New(0);
         if (reads == NULL || writes == NULL) {
             Py_XDECREF(reads);
@@ -895,11 +948,11 @@ static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size
             Py_DECREF(plan);
             return NULL;
         }
-        int is_copy = PyObject_IsTrue(PyTuple_GET_ITEM(fast, 5));
+        int is_copy = PyObject_IsTrue(AT(fast, L_FAST, FAST_IS_COPY));
         long dev = -3; /* a copy naming a device (to or from the host, maybe pinned): the Python path's */
         if (!is_copy || kwargs == NULL || !PyDict_Contains(kwargs, s_device))
-            dev = scan_args(tracer, PyTuple_GET_ITEM(fast, 3), is_copy, args, kwargs, reads, writes);
-        if (dev == -3 || (dev == -1 && PyObject_IsTrue(PyTuple_GET_ITEM(fast, 4)))) {
+            dev = scan_args(tracer, AT(fast, L_FAST, FAST_TENSOR_ARGS), is_copy, args, kwargs, reads, writes);
+        if (dev == -3 || (dev == -1 && PyObject_IsTrue(AT(fast, L_FAST, FAST_FRESH_OUTPUTS)))) {
             result = fallback(d, argv, nargs);
         } else if (dev == -1 && PyList_GET_SIZE(reads) == 0 && PyList_GET_SIZE(writes) == 0) {
             result = PyObject_Call(call, args, kwargs);
@@ -910,8 +963,9 @@ static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size
         } else {
             int ran = 0;
             PyObject *out = NULL;
-            result = run_traced(d, plan, call, PyTuple_GET_ITEM(fast, 2), PyObject_IsTrue(PyTuple_GET_ITEM(fast, 4)),
-                                args, kwargs, dev, reads, writes, &ran, &out);
+            result = run_traced(d, plan, call, AT(fast, L_FAST, FAST_NAME),
+                                PyObject_IsTrue(AT(fast, L_FAST, FAST_FRESH_OUTPUTS)), args, kwargs, dev, reads,
+                                writes, &ran, &out);
             if (result == NULL && ran >= 0) result = internal_error(d, func, args, kwargs, ran, out);
             Py_XDECREF(out);
         }
@@ -942,6 +996,10 @@ static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
     PyObject *tracer, *fb, *mode;
     static char *kwlist[] = {"tracer", "fallback", "mode", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO", kwlist, &tracer, &fb, &mode)) return -1;
+    if (!g_configured) {
+        PyErr_SetString(PyExc_TypeError, "configure() the core first");
+        return -1;
+    }
     Py_INCREF(tracer);
     Py_INCREF(fb);
     Py_INCREF(mode);
@@ -950,7 +1008,7 @@ static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->self_, mode);
     PyObject *users = NULL, *max_key = NULL, *known = NULL;
     if (read_attr(tracer, s_buffer, &self->buffer, 0) < 0 || read_attr(tracer, s_agent_of, &self->agent_of, 1) < 0 ||
-        read_attr(tracer, s_stacks, &self->stacks, 0) < 0 || read_attr(self->stacks, s_kind, &self->kinds, 1) < 0 ||
+        read_attr(tracer, s_stacks, &self->stacks, 0) < 0 || read_attr(self->stacks, s_kinds, &self->kinds, 1) < 0 ||
         read_attr(self->stacks, s_ids, &self->ids, 1) < 0 ||
         read_attr(tracer, s_engine_threads, &self->engine_threads, 2) < 0 ||
         read_attr(tracer, s_plans, &self->plans, 1) < 0 || read_attr(self->stacks, s_key_users, &users, 0) < 0 ||
@@ -1065,13 +1123,13 @@ static PyTypeObject DispatchType = {
 };
 
 /* PyTorch's allocation and free callbacks, the hottest two, and its event record and wait callbacks (their stack
- * capture is the costly part in Python) (`_GpuTrace.install`): the common case here, the rest (and any failure
+ * capture is the costly part in Python) (`GpuTrace.install`): the common case here, the rest (and any failure
  * before a change) by the Python callback it was made from. */
 typedef struct {
     PyObject_HEAD
-    PyObject *gputrace; /* the _GpuTrace class: its `active` tracer */
+    PyObject *gputrace; /* the GpuTrace class: its `active` tracer */
     PyObject *fallback; /* the Python callback */
-    int kind;           /* CB_ALLOC, CB_FREE, CB_EVENT (an event record or wait: `event` is its event code) */
+    int kind;           /* g_cb_alloc, g_cb_free or g_cb_event (an event record or wait: `event` is its code) */
     PyObject *event;
     /* the last active tracer and its attributes that never change */
     PyObject *seen, *live, *buffer, *pools, *grads;
@@ -1079,8 +1137,6 @@ typedef struct {
     PyObject *capture; /* a Dispatch of the tracer seen, for its stack capture only (made at the first need) */
     vectorcallfunc vectorcall;
 } Callback;
-
-enum { CB_ALLOC, CB_FREE, CB_EVENT };
 
 static PyObject *s_active, *s_live_device, *s_pool_of_thread, *s_engine_grads;
 static PyObject *g_free_kind, *g_empty_str;
@@ -1127,20 +1183,20 @@ static PyObject *active_tracer(Callback *c) {
     return t;
 }
 
-/* Whether op_agent `cur` is an op of this thread (TorchTracer: `cur is not None and cur[4] == _get_ident()`):
+/* Whether op_agent `cur` is an op of this thread (the tracer: `cur is not None and cur[4] == _get_ident()`):
  * 1, 0, or -1 on error. */
 static int op_of_this_thread(PyObject *cur) {
-    if (!PyTuple_Check(cur) || PyTuple_GET_SIZE(cur) != 6) return 0;
+    if (!PyTuple_Check(cur) || PyTuple_GET_SIZE(cur) != L_CUR.size) return 0;
     PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
-    int mine = ident != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(cur, 4), ident, Py_EQ) : -1;
+    int mine = ident != NULL ? PyObject_RichCompareBool(AT(cur, L_CUR, CUR_THREAD), ident, Py_EQ) : -1;
     Py_XDECREF(ident);
     return mine;
 }
 
-/* The list an event fired inside op_agent `cur` of this thread goes to: the op's own (item 5, TorchTracer's
- * _OpEvents). New reference, or NULL on error. */
+/* The list an event fired inside op_agent `cur` of this thread goes to: the op's own (its `events`, the Python
+ * path's OpEvents). New reference, or NULL on error. */
 static PyObject *op_events(PyObject *cur) {
-    PyObject *l = PyTuple_GET_ITEM(cur, 5);
+    PyObject *l = AT(cur, L_CUR, CUR_EVENTS);
     if (!PyList_Check(l)) {
         PyErr_SetString(PyExc_TypeError, "an op's own events are not a list");
         return NULL;
@@ -1149,7 +1205,7 @@ static PyObject *op_events(PyObject *cur) {
     return l;
 }
 
-/* The op this thread is dispatching, as TorchTracer._op_of_this_thread: `op_agent` if it is this thread's, else
+/* The op this thread is dispatching, as the tracer's op_of_this_thread: `op_agent` if it is this thread's, else
  * this thread's entry of `ops_of_threads`. A new reference, or Py_None (new reference too) outside an op of this
  * thread; NULL on error. */
 static PyObject *this_threads_op(PyObject *t) {
@@ -1188,19 +1244,20 @@ static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
     if (cur == NULL) return -1;
     int rc = 0;
     int in_op = cur != Py_None;
-    if (!in_op) { /* `_on_alloc` does nothing there outside hooked regions (hooks scope) */
+    if (!in_op) { /* `on_alloc` does nothing there outside hooked regions (hooks scope) */
         int scope = attr_true(t, s_in_scope);
         rc = scope < 0 ? -1 : (scope ? 0 : 1);
-    } else if (PyDict_GET_SIZE(c->pools) == 0 && PyLong_AsLong(PyTuple_GET_ITEM(cur, 0)) >= 0) {
+    } else if (PyDict_GET_SIZE(c->pools) == 0 && PyLong_AsLong(AT(cur, L_CUR, CUR_DEVICE)) >= 0) {
         /* an op's own allocation (inside a host op, device -1, the Python callback finds its stream) */
         PyObject *evs = op_events(cur);
         PyObject *ev = NULL;
+        PyObject *items[8] = {g_alloc,          AT(cur, L_CUR, CUR_DEVICE), ptr, g_zero, AT(cur, L_CUR, CUR_AGENT),
+                              AT(cur, L_CUR, CUR_STACK), AT(cur, L_CUR, CUR_CTX), g_empty_str};
         if (evs == NULL) {
             rc = -1;
-        } else if ((ev = PyTuple_Pack(8, g_alloc, PyTuple_GET_ITEM(cur, 0), ptr, g_zero, PyTuple_GET_ITEM(cur, 1),
-                                      PyTuple_GET_ITEM(cur, 2), PyTuple_GET_ITEM(cur, 3), g_empty_str)) == NULL) {
+        } else if ((ev = laid_out(&L_ALLOC, items)) == NULL) {
             rc = -1;
-        } else if (PyDict_SetItem(c->live, ptr, PyTuple_GET_ITEM(cur, 0)) < 0) {
+        } else if (PyDict_SetItem(c->live, ptr, AT(cur, L_CUR, CUR_DEVICE)) < 0) {
             rc = -1;
         } else {
             rc = PyList_Append(evs, ev) < 0 ? -1 : 1;
@@ -1212,7 +1269,7 @@ static int on_alloc(Callback *c, PyObject *t, PyObject *ptr) {
     return rc;
 }
 
-/* As TorchTracer._emit after a callback's event: flush once callbacks alone have filled the buffer several times
+/* As the tracer's emit after a callback's event: flush once callbacks alone have filled the buffer several times
  * over, and only outside ops (a flush never splits an op from the events fired inside it). 0, or -1 on error. */
 static int flush_if_full(PyObject *t, PyObject *buffer, Py_ssize_t batch, PyObject *evs) {
     if (PyList_GET_SIZE(evs) < 4 * batch) return 0;
@@ -1246,7 +1303,8 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     }
     Py_INCREF(buffer);
     Py_INCREF(grads);
-    PyObject *ev = PyTuple_Pack(4, g_free_kind, dev, ptr, g_zero);
+    PyObject *items[4] = {g_free_kind, dev, ptr, g_zero};
+    PyObject *ev = laid_out(&L_FREE, items);
     int rc = ev != NULL && PyDict_DelItem(live, ptr) == 0 && PyList_Append(evs, ev) == 0 ? 1 : -1;
     Py_XDECREF(ev);
     if (rc == 1 && !in_op && flush_if_full(t, buffer, batch, evs) < 0) rc = -1;
@@ -1257,7 +1315,7 @@ static int on_free(Callback *c, PyObject *t, PyObject *ptr) {
     return rc;
 }
 
-/* An event record or wait on stream handle s, as `_on_event_record` / `_on_event_wait`: (code, event, the stream's
+/* An event record or wait on stream handle s, as `on_event_record` / `on_event_wait`: (code, event, the stream's
  * agent, the stack: the op's own inside an op of this thread, else captured here). 1 done, -1 error. */
 static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
     PyObject *agent = NULL, *cur = NULL, *stack = NULL, *evs = NULL, *ev = NULL;
@@ -1273,7 +1331,7 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
     if ((cur = this_threads_op(t)) == NULL) goto done;
     int mine = cur != Py_None;
     if (mine) { /* the op's own stack, and its own list */
-        stack = PyTuple_GET_ITEM(cur, 2);
+        stack = AT(cur, L_CUR, CUR_STACK);
         Py_INCREF(stack);
         if ((evs = op_events(cur)) == NULL) goto done;
     } else {
@@ -1302,7 +1360,11 @@ static int on_event(Callback *c, PyObject *t, PyObject *e, PyObject *s) {
         Py_SETREF(evs, now);
         if (!PyList_Check(evs)) goto done;
     }
-    if ((ev = PyTuple_Pack(4, c->event, e, agent, stack)) == NULL || PyList_Append(evs, ev) < 0) goto done;
+    {
+        PyObject *items[4] = {c->event, e, agent, stack};
+        ev = laid_out(&L_SEV, items);
+    }
+    if (ev == NULL || PyList_Append(evs, ev) < 0) goto done;
     rc = !mine && flush_if_full(t, buffer, batch, evs) < 0 ? -1 : 1;
 done:
     Py_XDECREF(agent);
@@ -1316,18 +1378,18 @@ done:
 
 static PyObject *Callback_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     Callback *c = (Callback *)self;
-    if (kwnames != NULL || PyVectorcall_NARGS(nargsf) != (c->kind == CB_EVENT ? 2 : 1))
+    if (kwnames != NULL || PyVectorcall_NARGS(nargsf) != (c->kind == g_cb_event ? 2 : 1))
         return PyObject_Vectorcall(c->fallback, argv, nargsf, kwnames);
     PyObject *t = active_tracer(c);
     if (t == Py_None) {
         /* not tracing: an event record or wait may still be an edge of a CUDA graph being captured (Python's) */
-        if (c->kind == CB_EVENT) return PyObject_Vectorcall(c->fallback, argv, nargsf, NULL);
+        if (c->kind == g_cb_event) return PyObject_Vectorcall(c->fallback, argv, nargsf, NULL);
         Py_RETURN_NONE;
     }
     int rc = -1;
     if (t != NULL) {
-        rc = c->kind == CB_FREE    ? on_free(c, t, argv[0])
-             : c->kind == CB_ALLOC ? on_alloc(c, t, argv[0])
+        rc = c->kind == g_cb_free    ? on_free(c, t, argv[0])
+             : c->kind == g_cb_alloc ? on_alloc(c, t, argv[0])
                                    : on_event(c, t, argv[0], argv[1]);
         Py_DECREF(t);
     }
@@ -1342,8 +1404,13 @@ static int Callback_init(Callback *self, PyObject *args, PyObject *kwds) {
     PyObject *event = Py_None;
     static char *kwlist[] = {"gputrace", "fallback", "kind", "event", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOi|O", kwlist, &gputrace, &fb, &kind, &event)) return -1;
-    if (kind < CB_ALLOC || kind > CB_EVENT || (kind == CB_EVENT && !PyLong_Check(event))) {
-        PyErr_SetString(PyExc_ValueError, "kind is 0 (allocation), 1 (free) or 2 (event, with its event code)");
+    if (!g_configured) {
+        PyErr_SetString(PyExc_TypeError, "configure() the core first");
+        return -1;
+    }
+    if ((kind != g_cb_alloc && kind != g_cb_free && kind != g_cb_event) || (kind == g_cb_event && !PyLong_Check(event))) {
+        PyErr_SetString(PyExc_ValueError, "kind is the allocation, free or event kind configured (an event with its "
+                                          "event code)");
         return -1;
     }
     Py_INCREF(event);
@@ -1398,13 +1465,62 @@ static PyTypeObject CallbackType = {
     .tp_vectorcall_offset = offsetof(Callback, vectorcall),
 };
 
+/* layouts[which] (a dict: field name -> position) into *l, for the fields the core names (`fields`): it must name
+ * exactly those, at distinct positions from 0 on. 0, or -1 with an exception set. */
+static int read_layout(PyObject *layouts, const char *which, const char *const *fields, Layout *l) {
+    PyObject *d = PyDict_GetItemString(layouts, which); /* borrowed */
+    Py_ssize_t n = 0;
+    while (fields[n] != NULL) n++;
+    if (d == NULL || !PyDict_Check(d) || PyDict_GET_SIZE(d) != n || n > 8) {
+        PyErr_Format(PyExc_ValueError, "configure: the layout %s does not name the fields the core reads", which);
+        return -1;
+    }
+    int seen[8] = {0};
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *v = PyDict_GetItemString(d, fields[k]); /* borrowed */
+        Py_ssize_t at = v != NULL ? PyLong_AsSsize_t(v) : -1;
+        if (at < 0 || at >= n || seen[at]) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "configure: the layout %s places %s badly", which, fields[k]);
+            return -1;
+        }
+        seen[at] = 1;
+        l->at[k] = at;
+    }
+    l->size = n;
+    return 0;
+}
+
+/* codes[name] as a long into *v. 0, or -1 with an exception set. */
+static int read_code(PyObject *codes, const char *name, long *v) {
+    PyObject *x = PyDict_GetItemString(codes, name); /* borrowed */
+    *v = x != NULL ? PyLong_AsLong(x) : -1;
+    if (x == NULL || (*v == -1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "configure: no code for %s", name);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tensor_type", "raw_stream", "describe", "descriptions", "op", "alloc", "free",
-                             "user_kind", "device_attr", "device_offset", NULL};
-    PyObject *tt, *rs, *desc, *descs, *op, *alloc, *fr, *uk, *da;
+                             "user_kind", "device_attr", "device_offset", "plan_kinds", "callback_kinds", "layouts",
+                             NULL};
+    PyObject *tt, *rs, *desc, *descs, *op, *alloc, *fr, *uk, *da, *pk, *ck, *lay;
     long off;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO!OOOOUl", kwlist, &tt, &rs, &desc, &PyDict_Type, &descs, &op,
-                                     &alloc, &fr, &uk, &da, &off))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO!OOOOUlO!O!O!", kwlist, &tt, &rs, &desc, &PyDict_Type, &descs,
+                                     &op, &alloc, &fr, &uk, &da, &off, &PyDict_Type, &pk, &PyDict_Type, &ck,
+                                     &PyDict_Type, &lay))
+        return NULL;
+    long untouched, allocating, accesses, cb_alloc, cb_free, cb_event;
+    Layout fast, arg, cur, opl, all, fre, sev;
+    if (read_code(pk, "untouched", &untouched) < 0 || read_code(pk, "allocating", &allocating) < 0 ||
+        read_code(pk, "accesses", &accesses) < 0 || read_code(ck, "alloc", &cb_alloc) < 0 ||
+        read_code(ck, "free", &cb_free) < 0 || read_code(ck, "event", &cb_event) < 0 ||
+        read_layout(lay, "fast", FAST_FIELDS, &fast) < 0 || read_layout(lay, "arg", ARG_FIELDS, &arg) < 0 ||
+        read_layout(lay, "current_op", CURRENT_OP_FIELDS, &cur) < 0 || read_layout(lay, "op", OP_FIELDS, &opl) < 0 ||
+        read_layout(lay, "alloc", ALLOC_FIELDS, &all) < 0 || read_layout(lay, "free", FREE_FIELDS, &fre) < 0 ||
+        read_layout(lay, "stream_event", STREAM_EVENT_FIELDS, &sev) < 0)
         return NULL;
     Py_INCREF(descs);
     Py_XSETREF(g_descriptions, descs);
@@ -1426,14 +1542,28 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwds) {
     PyUnicode_InternInPlace(&da);
     Py_XSETREF(g_dev_attr, da);
     g_dev_offset = off;
+    g_kind_untouched = untouched;
+    g_kind_allocating = allocating;
+    g_kind_accesses = accesses;
+    g_cb_alloc = (int)cb_alloc;
+    g_cb_free = (int)cb_free;
+    g_cb_event = (int)cb_event;
+    L_FAST = fast;
+    L_ARG = arg;
+    L_CUR = cur;
+    L_OP = opl;
+    L_ALLOC = all;
+    L_FREE = fre;
+    L_SEV = sev;
     if (PyErr_Occurred()) return NULL;
+    g_configured = 1;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "configure(tensor_type, raw_stream, describe, descriptions, op, alloc, free, user_kind, device_attr, "
-     "device_offset)"},
+     "device_offset, plan_kinds, callback_kinds, layouts): what the core works with (the tracer's ccore.py)"},
     {NULL},
 };
 
@@ -1457,33 +1587,33 @@ PyMODINIT_FUNC PyInit__ctracer(void) {
     INTERN(s_batch, "batch");
     INTERN(s_index_values, "index_values");
     INTERN(s_spans, "spans");
-    INTERN(s_values_after, "_values_after");
-    INTERN(s_engine_threads, "_engine_threads");
+    INTERN(s_values_after, "values_after");
+    INTERN(s_engine_threads, "engine_threads");
     INTERN(s_stacks, "stacks");
     INTERN(s_nbytes, "nbytes");
     INTERN(s_data_ptr, "data_ptr");
     INTERN(s_is_contiguous, "is_contiguous");
     INTERN(s_get_device, "get_device");
     INTERN(s_untyped_storage, "untyped_storage");
-    INTERN(s_range_in, "_range_in");
-    INTERN(s_outputs, "_outputs");
-    INTERN(s_place, "_place");
-    INTERN(s_fill_alloc_sizes, "_fill_alloc_sizes");
-    INTERN(s_engine_op, "_engine_op");
+    INTERN(s_range_in, "range_in");
+    INTERN(s_output_ranges, "output_ranges");
+    INTERN(s_place, "place");
+    INTERN(s_fill_alloc_sizes, "fill_alloc_sizes");
+    INTERN(s_engine_op, "engine_op");
     INTERN(s_flush, "flush");
     INTERN(s_agent, "agent");
-    INTERN(s_stop_on_bug, "_stop_on_bug");
+    INTERN(s_stop_on_bug, "stop_on_bug");
     INTERN(s_fast, "fast");
     INTERN(s_pin_memory, "pin_memory");
-    INTERN(s_kind, "_kind");
+    INTERN(s_kinds, "kinds");
     INTERN(s_ids, "ids");
-    INTERN(s_classify, "_classify");
+    INTERN(s_classify, "classify");
     INTERN(s_define, "define");
-    INTERN(s_no_frames, "_no_frames");
+    INTERN(s_no_frames, "no_frames");
     INTERN(s_key_users, "key_users");
     INTERN(s_max_key, "max_key");
     INTERN(s_device, "device");
-    INTERN(s_agent_for_handle, "_agent_for_handle");
+    INTERN(s_agent_for_handle, "agent_for_handle");
     INTERN(s_dtype, "dtype");
     INTERN(s_shape, "shape");
     INTERN(s_stride, "stride");
@@ -1492,7 +1622,7 @@ PyMODINIT_FUNC PyInit__ctracer(void) {
     INTERN(s_active, "active");
     INTERN(s_live_device, "live_device");
     INTERN(s_pool_of_thread, "pool_of_thread");
-    INTERN(s_engine_grads, "_engine_grads");
+    INTERN(s_engine_grads, "engine_grads");
     g_empty_str = PyUnicode_InternFromString("");
     g_zero = PyLong_FromLong(0);
     if (PyType_Ready(&DispatchType) < 0 || PyType_Ready(&CallbackType) < 0) return NULL;

@@ -25,6 +25,7 @@ from .imports import when_imported
 from .agents import StreamRegistry
 from .sink import EventBuffer
 from .stacks import StackTable
+from .tracers.protocol import Tracer
 
 log = logging.getLogger("streamsan")
 
@@ -58,7 +59,7 @@ class Session:
         self.buffer = EventBuffer(consumers)
         self.streams = StreamRegistry(self.buffer)
         self.stacks = StackTable()
-        self.tracers: dict[str, object] = {}
+        self.tracers: dict[str, Tracer] = {}
         self.active = False
         self.problems: list[str] = []
         self.echo = echo  # say notes on stderr (not under `streamsan wrap`, whose report says them)
@@ -120,7 +121,7 @@ class Session:
             self._torch_unsupported = True
             self._note(problem)
             return
-        from .tracers.torch import TorchTracer
+        from .tracers.torch.tracer import TorchTracer
 
         tracer = TorchTracer(self.buffer, self.streams, self.stacks, scope=self.scope)
         tracer.on_note = self._note

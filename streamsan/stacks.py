@@ -49,15 +49,16 @@ class StackTable:
         self.max_key = max_key
         self.ids: dict[tuple, int] = {}
         self.codes: dict[int, object] = {}
-        self._kind: dict[int, int] = {}  # id(code) -> OWN, LIBRARY or USER
+        self.kinds: dict[int, int] = {}  # id(code) -> OWN, LIBRARY or USER
         self.fallback = None  # called with the events when a thread has no frame outside streamsan (or 0)
         self.native = None  # outside() in C (set by the torch tracer where its C code is built)
 
-    def _classify(self, code) -> int:
+    def classify(self, code) -> int:
+        """Whether a code object is streamsan's own, a library's or the user's (OWN, LIBRARY, USER), remembered."""
         cid = id(code)
         self.codes[cid] = code
         k = OWN if is_own_file(code.co_filename) else LIBRARY if is_library_frame(code.co_filename) else USER
-        self._kind[cid] = k
+        self.kinds[cid] = k
         return k
 
     def capture(self, events: list, skip: int = 1) -> int:
@@ -67,18 +68,18 @@ class StackTable:
         try:
             f = _getframe(skip + 1)
         except ValueError:  # a shallower stack than the caller expects
-            return self._no_frames(events)
-        kind = self._kind
+            return self.no_frames(events)
+        kind = self.kinds
         code = f.f_code
         k = kind.get(id(code))
         while not k:  # streamsan's own frames (0), or a code object not seen yet (None)
             if k is None:
-                k = self._classify(code)
+                k = self.classify(code)
                 if k:
                     break
             f = f.f_back
             if f is None:
-                return self._no_frames(events)
+                return self.no_frames(events)
             code = f.f_code
             k = kind.get(id(code))
         # the innermost frame (the op's call site), then the user frames outside it; library frames between
@@ -93,7 +94,7 @@ class StackTable:
             code = f.f_code
             k = kind.get(id(code))
             if k is None:
-                k = self._classify(code)
+                k = self.classify(code)
             if k == USER:
                 key.append(id(code))
                 key.append(f.f_lasti)
@@ -118,7 +119,8 @@ class StackTable:
         events.append((E.DEF_STACK, sid, self._frames(frame)))
         return sid
 
-    def _no_frames(self, events: list) -> int:
+    def no_frames(self, events: list) -> int:
+        """The stack of a thread with no frame outside streamsan: what ``fallback`` says, or 0."""
         return self.fallback(events) if self.fallback is not None else 0
 
     def synthetic(self, events: list, key: tuple, frames: tuple) -> int:
@@ -139,14 +141,14 @@ class StackTable:
     def _frames(self, f) -> tuple:
         """The stack from frame f outwards, for a report: ``depth`` frames, more until ``user_depth`` are user
         code (at most 64)."""
-        kind = self._kind
+        kind = self.kinds
         frames = []
         users = 0
         while f is not None and len(frames) < 64:
             code = f.f_code
             k = kind.get(id(code))
             if k is None:
-                k = self._classify(code)
+                k = self.classify(code)
             if k:
                 frames.append((code.co_filename, f.f_lineno, getattr(code, "co_qualname", code.co_name)))
                 users += k == USER

@@ -1,7 +1,7 @@
 """The C tracer (``streamsan/_ctracer.c``) against the Python tracer: the same program gives the same events.
 
-Both run on the CPU stand-in of ``bench/standin.py`` (the torch tracer with CPU tensors playing CUDA's part, each
-fresh output announced as an allocation and freed 8 ops later). Pointers differ between two runs of a program, so
+Both run on the CPU stand-in of ``tests/support/standin.py`` (the torch tracer with CPU tensors playing CUDA's part,
+each fresh output announced as an allocation and freed 8 ops later). Pointers differ between two runs of a program, so
 they are renamed in order of first appearance; everything else (op names, agents, ranges, stacks, allocation
 sizes and descriptions, event order) must be equal.
 """
@@ -12,9 +12,6 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 try:
     from streamsan import _ctracer
@@ -105,21 +102,22 @@ def canonical(events):
     return out
 
 
-@pytest.fixture(scope="module")
-def tracer_mod():
-    """The stand-in's tracer module, loaded once (it installs PyTorch's GPU trace callbacks)."""
-    import standin
+@pytest.fixture
+def standin():
+    """The CPU stand-in, on for the test (it installs PyTorch's GPU trace callbacks)."""
+    from support.standin import StandIn
 
-    mod = standin.load_tracer(None)
-    yield mod
-    mod._GpuTrace.active = None
+    with StandIn() as s:
+        yield s
 
 
-def run(tracer_mod, core):
-    import standin
+def run(core):
+    from streamsan.tracers.torch.callbacks import GpuTrace
+    from streamsan.tracers.torch.dispatch import TracingMode
+    from support.standin import StandIn
 
     declined = []
-    python_dispatch = tracer_mod._Mode.__torch_dispatch__.__code__
+    python_dispatch = TracingMode.__torch_dispatch__.__code__
 
     def count_declined(frame, event, arg):  # (a profile hook: no frame of its own on the stacks captured)
         if event == "call" and frame.f_code is python_dispatch:
@@ -127,24 +125,24 @@ def run(tracer_mod, core):
 
     got = []
     kept = []  # (every op's output stays alive: no address is reused, so pointers can be renamed)
-    enter = standin.modes(tracer_mod, consumer=got.extend, keep=kept)
-    mode = enter("trace" if core == "c" else "trace-python")
-    sys.setprofile(count_declined)
-    try:
-        for _ in range(3):  # (the first time, each op's plan is made in Python)
-            kept.append(program())
-    finally:
-        sys.setprofile(None)
-        mode.__exit__(None, None, None)
-        mode.tracer.buffer.flush()
-        tracer_mod._GpuTrace.active = None
+    with StandIn(consumer=got.extend, keep=kept) as standin:
+        mode = standin.enter("trace" if core == "c" else "trace-python")
+        sys.setprofile(count_declined)
+        try:
+            for _ in range(3):  # (the first time, each op's plan is made in Python)
+                kept.append(program())
+        finally:
+            sys.setprofile(None)
+            mode.__exit__(None, None, None)
+            mode.tracer.buffer.flush()
+            GpuTrace.active = None
     return canonical(got), declined, mode
 
 
 @needs_c_tracer
-def test_same_events_as_the_python_tracer(tracer_mod):
+def test_same_events_as_the_python_tracer():
     (c_events, c_declined, _), (py_events, py_declined, _) = [
-        run(tracer_mod, core) for core in ("c", "python")]  # (one call site: the same stacks)
+        run(core) for core in ("c", "python")]  # (one call site: the same stacks)
     assert len(c_events) > 150
     assert c_events == py_events
     # the C tracer did the work: it left to Python only the ops it does not handle and the first call of each op
@@ -154,25 +152,21 @@ def test_same_events_as_the_python_tracer(tracer_mod):
 
 
 @needs_c_tracer
-def test_internal_error_stops_tracing_and_the_program_goes_on(tracer_mod):
+def test_internal_error_stops_tracing_and_the_program_goes_on(standin):
     """A bug of streamsan's surfacing in the C path: tracing stops with a note, and the op's result is the
     program's as without streamsan."""
-    import standin
-
-    enter = standin.modes(tracer_mod)
-    mode = enter("trace")
+    mode = standin.enter("trace")
     x = torch.ones(4)
     x + 1  # the plan of add.Tensor is made (Python path)
     mode.tracer.stacks.define = None  # breaks the C tracer's stack capture for a new call site
     y = x + 2  # a new call site
     mode.__exit__(None, None, None)
-    tracer_mod._GpuTrace.active = None
     assert torch.equal(y, torch.full((4,), 3.0))
     assert mode.tracer.stopped_on_bug
 
 
 @needs_c_tracer
-def test_allocation_callbacks_match_the_python_ones(tracer_mod):
+def test_allocation_callbacks_match_the_python_ones(standin):
     """PyTorch's allocation and free callbacks in C against the Python ones, on the same tracer states: inside an
     op of this thread, outside one, inside a memory pool, a free of a block seen and of one not seen."""
     import threading
@@ -182,14 +176,15 @@ def test_allocation_callbacks_match_the_python_ones(tracer_mod):
     from streamsan.stacks import StackTable
 
     from streamsan import _ctracer as c
+    from streamsan.tracers.torch import ccore
+    from streamsan.tracers.torch.callbacks import GpuTrace as gt
+    from streamsan.tracers.torch.tracer import TorchTracer
 
-    gt = tracer_mod._GpuTrace
-    gt.install()
     py_alloc, py_free = gt.python_callbacks[:2]
 
     def state():
         buf = EventBuffer([], batch=2)  # (small: the free path's flush rule is reached)
-        tr = tracer_mod.TorchTracer(buf, StreamRegistry(buf), StackTable())
+        tr = TorchTracer(buf, StreamRegistry(buf), StackTable())
         tr.running = tr.tracing = True
         return tr
 
@@ -215,20 +210,20 @@ def test_allocation_callbacks_match_the_python_ones(tracer_mod):
             alloc(4000)
             for p in (1000, 2000, 9999, 3000, 4000):
                 free(p)
-            tr._engine_grads.add(1000)
+            tr.engine_grads.add(1000)
             alloc(1000)
             free(1000)
             tr.in_scope = 0  # hooks scope, outside a hooked region: nothing
             alloc(6000)
             tr.op_agent = (0, 3, 7, 0, threading.get_ident(), own)
             alloc(7000)  # inside an op (of a hooked region)
-            return (list(tr.buffer.events), list(own), list(others), dict(tr.live_device), set(tr._engine_grads),
+            return (list(tr.buffer.events), list(own), list(others), dict(tr.live_device), set(tr.engine_grads),
                     tr.buffer.total, list(mine_too))
         finally:
             gt.active = None
 
     expected = drive(py_alloc, py_free)
-    got = drive(c.Callback(gt, py_alloc, False), c.Callback(gt, py_free, True))
+    got = drive(c.Callback(gt, py_alloc, ccore.CALLBACK_ALLOC), c.Callback(gt, py_free, ccore.CALLBACK_FREE))
     assert got == expected
     assert expected[5] > 0  # (frees outside an op filled the buffer: flushed)
     assert [(ev[0], ev[2]) for ev in expected[1]] == [(E.ALLOC, 1000), (E.ALLOC, 2000), (E.FREE, 2000),
@@ -239,7 +234,7 @@ def test_allocation_callbacks_match_the_python_ones(tracer_mod):
 
 
 @needs_c_tracer
-def test_event_callbacks_match_the_python_ones(tracer_mod):
+def test_event_callbacks_match_the_python_ones(standin):
     """PyTorch's event record and wait callbacks in C against the Python ones: inside an op of this thread (the op's
     stack), outside one (a stack captured there: the same frames, ids and definitions), inside another thread's."""
     import threading
@@ -249,14 +244,15 @@ def test_event_callbacks_match_the_python_ones(tracer_mod):
     from streamsan.stacks import StackTable
 
     from streamsan import _ctracer as c
+    from streamsan.tracers.torch import ccore
+    from streamsan.tracers.torch.callbacks import GpuTrace as gt
+    from streamsan.tracers.torch.tracer import TorchTracer
 
-    gt = tracer_mod._GpuTrace
-    gt.install()
     py_record, py_wait = gt.python_callbacks[2:]
 
     def drive(record, wait):
         buf = EventBuffer([], batch=2)  # (small: the flush rule is reached)
-        tr = tracer_mod.TorchTracer(buf, StreamRegistry(buf), StackTable())
+        tr = TorchTracer(buf, StreamRegistry(buf), StackTable())
         tr.running = tr.tracing = True
         got = []
         buf.consumers.append(got.extend)
@@ -287,7 +283,8 @@ def test_event_callbacks_match_the_python_ones(tracer_mod):
 
     expected, got = [drive(*pair) for pair in (  # (one call site: the same stacks)
         (py_record, py_wait),
-        (c.Callback(gt, counted(py_record), 2, E.EVENT_RECORD), c.Callback(gt, counted(py_wait), 2, E.EVENT_WAIT)))]
+        (c.Callback(gt, counted(py_record), ccore.CALLBACK_EVENT, E.EVENT_RECORD),
+         c.Callback(gt, counted(py_wait), ccore.CALLBACK_EVENT, E.EVENT_WAIT)))]
     assert got == expected
     assert left_to_python == []  # (the C code did it all)
     events, own = expected

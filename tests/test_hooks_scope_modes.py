@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: E402
 
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer, _Mode  # noqa: E402
+from streamsan.tracers.torch.dispatch import TracingMode  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 
 def hooks_tracer():
@@ -26,12 +27,12 @@ def test_one_mode_per_thread_entered_again_at_each_region_and_nested_regions_add
         outer = tracer.push_context("region")
         inner = tracer.push_context("inner region")
         seen.append(_get_current_dispatch_mode())
-        assert tracer.in_scope == 1 and len(tracer._modes) == 1
+        assert tracer.in_scope == 1 and len(tracer.modes) == 1
         tracer.pop_context(inner)
-        assert isinstance(_get_current_dispatch_mode(), _Mode)  # (the inner end leaves the mode on)
+        assert isinstance(_get_current_dispatch_mode(), TracingMode)  # (the inner end leaves the mode on)
         tracer.pop_context(outer)
-        assert _get_current_dispatch_mode() is None and tracer.in_scope == 0 and tracer._modes == []
-    assert seen[0] is seen[1] and isinstance(seen[0], _Mode)
+        assert _get_current_dispatch_mode() is None and tracer.in_scope == 0 and tracer.modes == []
+    assert seen[0] is seen[1] and isinstance(seen[0], TracingMode)
 
 
 def test_a_regions_end_leaves_its_own_threads_mode_while_another_thread_is_in_a_region():
@@ -53,14 +54,14 @@ def test_a_regions_end_leaves_its_own_threads_mode_while_another_thread_is_in_a_
     t = threading.Thread(target=other_thread)
     t.start()
     assert entered.wait(10)
-    assert tracer.in_scope == 2 and len(tracer._modes) == 2
+    assert tracer.in_scope == 2 and len(tracer.modes) == 2
     tracer.pop_context(prev)  # this thread entered first and leaves first: its own mode goes, not the other's
     assert _get_current_dispatch_mode() is None
-    assert tracer._modes == [result["other"]] and tracer.in_scope == 1
+    assert tracer.modes == [result["other"]] and tracer.in_scope == 1
     a_left.set()
     t.join(10)
     assert result["other"] is not mine and result["other still on"] and result["other after"] is None
-    assert tracer._modes == [] and tracer.in_scope == 0
+    assert tracer.modes == [] and tracer.in_scope == 0
 
 
 def test_a_region_that_ends_after_the_tracer_stopped_leaves_nothing_behind():
@@ -69,4 +70,4 @@ def test_a_region_that_ends_after_the_tracer_stopped_leaves_nothing_behind():
     tracer.stop()
     assert _get_current_dispatch_mode() is None
     tracer.pop_context(prev)  # (its mode was left by stop())
-    assert tracer._modes == [] and _get_current_dispatch_mode() is None
+    assert tracer.modes == [] and _get_current_dispatch_mode() is None

@@ -11,7 +11,9 @@ from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 from streamsan.analysis.findings import DEVICE_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers import indices  # noqa: E402
-from streamsan.tracers import torch as tt  # noqa: E402
+from streamsan.tracers.torch import device  # noqa: E402
+from streamsan.tracers.torch.dispatch import dispatch as traced_dispatch  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 from streamsan.tracers.indices import IndexValues, row_ranges, rows_of  # noqa: E402
 from torch_kit import CudaLike  # noqa: E402
 
@@ -128,14 +130,14 @@ LOAD, COMPUTE = 0x10, 0x20
 def traced(monkeypatch):
     """(dispatch(op, *args, stream=...), analyzer): ops dispatched by the torch tracer on two streams."""
     analyzer = Analyzer()
-    tracer = tt.TorchTracer(EventBuffer([analyzer.feed]))
+    tracer = TorchTracer(EventBuffer([analyzer.feed]))
     current = {"stream": COMPUTE}
-    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: current["stream"])
+    monkeypatch.setattr(device, "raw_stream", lambda dev: current["stream"])
     tracer.tracing = True
 
     def dispatch(op, *args, stream=COMPUTE, **kwargs):
         current["stream"] = stream
-        return tracer._dispatch(op, args, kwargs)
+        return traced_dispatch(tracer, op, args, kwargs)
 
     yield dispatch, analyzer, tracer
     tracer.tracing = False

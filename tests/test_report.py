@@ -236,11 +236,11 @@ def test_environment_says_which_torch_tracer_runs(monkeypatch):
 def test_environment_says_the_python_tracer_runs_under_cuda_malloc_async(monkeypatch):
     pytest.importorskip("torch")
     from streamsan.report.environment import tracer_core
-    from streamsan.tracers.torch import _ALLOCATOR
+    from streamsan.tracers.torch.allocators import ALLOCATOR
 
     monkeypatch.delenv("STREAMSAN_CORE", raising=False)
-    monkeypatch.setattr(_ALLOCATOR, "unreported", True)
-    monkeypatch.setattr(_ALLOCATOR, "name", "cudaMallocAsync")
+    monkeypatch.setattr(ALLOCATOR, "unreported", True)
+    monkeypatch.setattr(ALLOCATOR, "name", "cudaMallocAsync")
     assert tracer_core() == "python (PyTorch's cudaMallocAsync CUDA allocator: the tracer declares allocations)"
 
 

@@ -62,8 +62,8 @@ def test_an_own_frame_is_skipped():
     def tracer_frame(table, events):  # as if it were streamsan's: classified OWN
         return table.capture(events, 0)
 
-    t._classify(tracer_frame.__code__)
-    t._kind[id(tracer_frame.__code__)] = 0
+    t.classify(tracer_frame.__code__)
+    t.kinds[id(tracer_frame.__code__)] = 0
     sid = tracer_frame(t, evs)
     assert evs[0][1] == sid and evs[0][2][0][2] == "test_an_own_frame_is_skipped"
 

@@ -132,7 +132,8 @@ np = pytest.importorskip("numpy")
 from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 from streamsan.analysis.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.host_memory import staged_write  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 from torch_kit import pin  # noqa: E402
 
 SIDE = 1
@@ -157,8 +158,8 @@ def traced():
 def h2d(tracer, t):
     """What the tracer does for ``gpu.copy_(t, non_blocking=True)`` on stream SIDE: the check, then the copy."""
     evs = tracer.buffer.events
-    r = tracer._range_in(t, E.PINNED)
-    tracer._staged_write(evs, t, r, 0, 0)
+    r = tracer.range_in(t, E.PINNED)
+    staged_write(tracer, evs, t, r, 0, 0)
     evs.append(E.op(SIDE, "aten::copy_", reads=[r]))
 
 

@@ -122,7 +122,7 @@ def test_a_name_given_later_wins_in_the_report():
 
 def test_the_torch_tracer_patches_stream_creation_only_while_it_runs():
     torch = pytest.importorskip("torch")
-    from streamsan.tracers.torch import TorchTracer
+    from streamsan.tracers.torch.tracer import TorchTracer
 
     before = torch.cuda.Stream.__dict__["__new__"]
     tracer = TorchTracer(EventBuffer())

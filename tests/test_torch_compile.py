@@ -9,8 +9,8 @@ dynamo = pytest.importorskip("torch._dynamo")
 
 from streamsan import events as E  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers import torch as torch_tracer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.dispatch import TracingMode  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 
 def test_compiled_code_runs_eagerly_under_the_tracer_and_no_streamsan_frame_is_compiled():
@@ -39,4 +39,4 @@ def test_compiled_code_runs_eagerly_under_the_tracer_and_no_streamsan_frame_is_c
     assert not any(name.startswith("L_args") or name.startswith("L_func") for g in graphs for name in g), graphs
     ops = [ev[2] for ev in events if ev[0] == E.OP]
     assert ops[:2] == ["aten::add_.Tensor", "aten::mul.Tensor"]
-    assert not getattr(torch_tracer._Mode.__dict__["__torch_dispatch__"], "_streamsan_dynamo_safe", False)
+    assert not getattr(TracingMode.__dict__["__torch_dispatch__"], "_streamsan_dynamo_safe", False)

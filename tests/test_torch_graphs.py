@@ -10,7 +10,11 @@ from streamsan import events as E  # noqa: E402
 from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 from streamsan.analysis.findings import DEVICE_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers import torch as T  # noqa: E402
+from streamsan.tracers.torch import device  # noqa: E402
+from streamsan.tracers.torch.callbacks import on_event_record, on_event_wait  # noqa: E402
+from streamsan.tracers.torch import cuda_graphs  # noqa: E402
+from streamsan.tracers.torch.cuda_graphs import GRAPH_CONTEXT, GRAPH_UNTRACKED, captured, end_capture  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 REPLAY_STREAM = 0x5000
 OTHER = 7
@@ -22,9 +26,9 @@ class Graph:
 
 @pytest.fixture
 def traced(monkeypatch):
-    monkeypatch.setattr(T, "_cuda_raw_stream", lambda dev: REPLAY_STREAM)
+    monkeypatch.setattr(device, "raw_stream", lambda dev: REPLAY_STREAM)
     analyzer = Analyzer()
-    tracer = T.TorchTracer(EventBuffer([analyzer.feed]))
+    tracer = TorchTracer(EventBuffer([analyzer.feed]))
     tracer.start()
     try:
         yield tracer, analyzer
@@ -37,7 +41,7 @@ def test_a_capture_keeps_its_accesses_for_the_replay(traced):
     g = Graph()
     tracer.graphs.current = ([(0, 0x1000, 64), (0, 0x1020, 64)], [(0, 0x2000, 64), (E.PINNED, 0x9000, 8)], True, [])
     tracer.tracing = False
-    tracer._end_capture(g)
+    end_capture(tracer, g)
     assert tracer.tracing is True and tracer.graphs.current is None
     assert tracer.graphs.accesses.get(g) == (0, ((0, 0x1000, 96),), ((E.PINNED, 0x9000, 8), (0, 0x2000, 64)))
 
@@ -46,10 +50,10 @@ def test_a_replay_is_one_op_on_the_current_stream(traced):
     tracer, analyzer = traced
     g = Graph()
     tracer.graphs.current = ([(0, 0x1000, 64)], [(0, 0x2000, 64)], True, [])
-    tracer._end_capture(g)
+    end_capture(tracer, g)
     other = tracer.agent(0, OTHER)
     tracer.buffer.events.append(E.op(other, "aten::fill_.Scalar", writes=[(0, 0x1000, 64)]))
-    tracer._replay(g)
+    cuda_graphs.replay(tracer, g)
     tracer.stop()
     analyzer.finish()
     replay = tracer.agent(0, REPLAY_STREAM)
@@ -60,18 +64,18 @@ def test_a_replay_is_one_op_on_the_current_stream(traced):
 
 def test_a_graph_captured_untraced_is_replayed_with_a_note(traced):
     tracer, analyzer = traced
-    tracer._replay(Graph())
+    cuda_graphs.replay(tracer, Graph())
     tracer.stop()
     analyzer.finish()
-    assert [text for _, text in analyzer.notes] == [T.GRAPH_UNTRACKED]
+    assert [text for _, text in analyzer.notes] == [GRAPH_UNTRACKED]
 
 
 def test_tracing_stopped_by_a_bug_during_capture_stays_stopped(traced):
     tracer, analyzer = traced
     tracer.graphs.current = ([], [], True, [])
     tracer.tracing = False
-    tracer._stop_on_bug(RuntimeError("boom"), "somewhere")
-    tracer._end_capture(Graph())
+    tracer.stop_on_bug(RuntimeError("boom"), "somewhere")
+    end_capture(tracer, Graph())
     assert tracer.tracing is False
 
 
@@ -87,7 +91,7 @@ def test_host_ops_on_pinned_memory_run_now_during_a_capture(traced):
     host.add_(1)
     torch.ones(4).mul_(2)  # pageable: nothing
     cap = tracer.graphs.current
-    tracer._end_capture(None)
+    end_capture(tracer, None)
     assert cap[:2] == ([], [])
     ops = [(ev[1], ev[2], ev[4]) for ev in tracer.buffer.events if ev[0] == E.OP]
     assert ops == [(E.HOST, "aten::add_.Tensor", ((E.PINNED, st.data_ptr(), 64),))]
@@ -101,29 +105,29 @@ def _fork_join_capture(tracer, monkeypatch, fork_after_producer):
     side), runs a consumer on the side and joins back: as the callbacks and the captured ops report it. The
     producer writes 0x2000 on the capture stream; the consumer reads it on the side stream."""
     current = {"stream": REPLAY_STREAM}
-    monkeypatch.setattr(T, "_cuda_raw_stream", lambda dev: current["stream"])
+    monkeypatch.setattr(device, "raw_stream", lambda dev: current["stream"])
     tracer.graphs.current = ([], [], True, [])
     tracer.tracing = False
     cap = tracer.graphs.current
     capture, side = tracer.agent(0, REPLAY_STREAM), tracer.agent(0, SIDE)
-    monkeypatch.setattr(tracer, "_agent_for_handle", lambda s: {REPLAY_STREAM: capture, SIDE: side}[s])
+    monkeypatch.setattr(tracer, "agent_for_handle", lambda s: {REPLAY_STREAM: capture, SIDE: side}[s])
 
     def fork():
-        tracer._on_event_record(1, REPLAY_STREAM)
-        tracer._on_event_wait(1, SIDE)
+        on_event_record(tracer, 1, REPLAY_STREAM)
+        on_event_wait(tracer, 1, SIDE)
 
     if not fork_after_producer:
         fork()
-    tracer._captured(cap, 0, "aten::sigmoid_", [], [(0, 0x2000, 64)])
+    captured(tracer, cap, 0, "aten::sigmoid_", [], [(0, 0x2000, 64)])
     if fork_after_producer:
         fork()
     current["stream"] = SIDE
-    tracer._captured(cap, 0, "aten::mul.out", [(0, 0x2000, 64)], [(0, 0x3000, 64)])
+    captured(tracer, cap, 0, "aten::mul.out", [(0, 0x2000, 64)], [(0, 0x3000, 64)])
     current["stream"] = REPLAY_STREAM
-    tracer._on_event_record(2, SIDE)  # the join
-    tracer._on_event_wait(2, REPLAY_STREAM)
-    tracer._captured(cap, 0, "aten::add_.Tensor", [(0, 0x3000, 64)], [(0, 0x4000, 64)])
-    tracer._end_capture(Graph())
+    on_event_record(tracer, 2, SIDE)  # the join
+    on_event_wait(tracer, 2, REPLAY_STREAM)
+    captured(tracer, cap, 0, "aten::add_.Tensor", [(0, 0x3000, 64)], [(0, 0x4000, 64)])
+    end_capture(tracer, Graph())
     return capture, side
 
 
@@ -143,7 +147,7 @@ def test_a_race_between_nodes_of_one_graph(traced, monkeypatch, fork_after_produ
     got = [(f.kind, f.previous.agent, f.previous.name, f.current.agent, f.current.name)
            for f in analyzer.sorted_findings()]
     assert got == ([] if fork_after_producer else [(DEVICE_DEVICE, capture, "aten::sigmoid_", side, "aten::mul.out")])
-    assert all(analyzer.contexts[f.current.ctx] == T.GRAPH_CONTEXT for f in analyzer.sorted_findings())
+    assert all(analyzer.contexts[f.current.ctx] == GRAPH_CONTEXT for f in analyzer.sorted_findings())
 
 
 def test_a_graph_on_one_stream_adds_no_event(traced):
@@ -151,9 +155,9 @@ def test_a_graph_on_one_stream_adds_no_event(traced):
     tracer.graphs.current = ([], [], True, [])
     tracer.tracing = False
     cap = tracer.graphs.current
-    tracer._captured(cap, 0, "aten::fill_.Scalar", [], [(0, 0x2000, 64)])
-    tracer._captured(cap, 0, "aten::mul.Tensor", [(0, 0x2000, 64)], [(0, 0x3000, 64)])
-    tracer._end_capture(Graph())
+    captured(tracer, cap, 0, "aten::fill_.Scalar", [], [(0, 0x2000, 64)])
+    captured(tracer, cap, 0, "aten::mul.Tensor", [(0, 0x2000, 64)], [(0, 0x3000, 64)])
+    end_capture(tracer, Graph())
     assert [ev for ev in tracer.buffer.events if ev[0] == E.GRAPH] == []
 
 

@@ -11,7 +11,7 @@ from streamsan import events as E  # noqa: E402
 from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 from streamsan.analysis.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 from torch_kit import SIDE, pin, traced_after_copy  # noqa: E402
 
 

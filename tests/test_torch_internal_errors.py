@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 
 @pytest.fixture
@@ -58,7 +58,9 @@ def test_a_bug_in_a_patched_method_leaves_its_result(tracer, monkeypatch):
     """The patches of tolist(), numpy(), torch.save and query(): the program gets what the method returns."""
     import io
 
-    monkeypatch.setattr(tracer, "_host_read", broken)
+    from streamsan.tracers.torch.patches import host_reads
+
+    monkeypatch.setattr(host_reads, "host_read", broken)
     assert tracer.x.tolist() == [0, 1, 2, 3]
     assert tracer.tracing is False and len(tracer.notes) == 1 and "Tensor.tolist" in tracer.notes[0]
     tracer.tracing = True

@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 from streamsan import events as E  # noqa: E402
 from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.callbacks import on_alloc  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def tracer(monkeypatch):
 def alloc_in_op(t, ptr):
     own = []
     t.op_agent = (0, 1, 0, 0, threading.get_ident(), own)
-    t._on_alloc(ptr)
+    on_alloc(t, ptr)
     t.op_agent = None
     (ev,) = own
     return ev

@@ -12,7 +12,11 @@ torch = pytest.importorskip("torch")
 
 from streamsan import events as E  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch import engine  # noqa: E402
+from streamsan.tracers.torch.callbacks import on_alloc  # noqa: E402
+from streamsan.tracers.torch.engine import ENGINE_CALLBACK, engine_stack  # noqa: E402
+from streamsan.tracers.torch.patches import storage_resize  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 from torch_kit import cuda_like  # noqa: E402
 
 ENGINE_STACK, HOOK_STACK, CONSUMER = 7, 8, 3
@@ -27,13 +31,13 @@ def base(t):
 @pytest.fixture
 def tracer():
     t = TorchTracer(EventBuffer())
-    t._engine_sids.add(ENGINE_STACK)
+    t.engine_stacks.add(ENGINE_STACK)
     return t
 
 
 def run(tracer, op, args, out, stack):
     evs = []
-    tracer._engine_op(evs, tracer._plan(op), args, {}, out, CONSUMER, stack)
+    tracer.engine_op(evs, tracer.plan(op), args, {}, out, CONSUMER, stack)
     return evs
 
 
@@ -104,9 +108,9 @@ def test_an_engine_op_with_no_python_frame_below_the_tracer(tracer, monkeypatch)
     monkeypatch.setattr(sys, "unraisablehook", errors.append)  # (where an error of such a thread goes)
     done = _thread.allocate_lock()
     done.acquire()
-    call = (evs, tracer._plan(torch.ops.aten.copy_.default), (cuda_like(4), grad), {}, None, CONSUMER, HOOK_STACK)
+    call = (evs, tracer.plan(torch.ops.aten.copy_.default), (cuda_like(4), grad), {}, None, CONSUMER, HOOK_STACK)
     # _engine_op called from C, then the lock released from C: the thread's only Python frame is _engine_op's
-    steps = itertools.chain(itertools.starmap(tracer._engine_op, [call]), itertools.starmap(done.release, [()]))
+    steps = itertools.chain(itertools.starmap(tracer.engine_op, [call]), itertools.starmap(done.release, [()]))
     _thread.start_new_thread(collections.deque, (steps, 0))
     assert done.acquire(timeout=10), [e.exc_value for e in errors]
     assert [e.exc_value for e in errors] == [] and evs == []
@@ -122,19 +126,19 @@ def test_a_freed_gradient_is_forgotten(tracer):
     """Through PyTorch's memory-free callback registry, as the CUDA allocator reports a free."""
     import torch.cuda._gpu_trace as gt
 
-    from streamsan.tracers.torch import _GpuTrace
+    from streamsan.tracers.torch.callbacks import GpuTrace
 
     grad = cuda_like(4)
     run(tracer, torch.ops.aten.mul.Tensor, (cuda_like(4), cuda_like(4)), grad, ENGINE_STACK)
-    assert tracer._engine_grads == {base(grad)}
-    _GpuTrace.install()
-    _GpuTrace.active, tracer.tracing = tracer, True
+    assert tracer.engine_grads == {base(grad)}
+    GpuTrace.install()
+    GpuTrace.active, tracer.tracing = tracer, True
     try:
         tracer.live_device[base(grad)] = 0
         gt.MemoryDeallocationCallbacks.fire_callbacks(base(grad))
     finally:
-        _GpuTrace.active, tracer.tracing = None, False
-    assert tracer._engine_grads == set()
+        GpuTrace.active, tracer.tracing = None, False
+    assert tracer.engine_grads == set()
     assert run(tracer, torch.ops.aten.cos.default, (grad,), cuda_like(4), ENGINE_STACK) == []
 
 
@@ -143,20 +147,20 @@ def test_a_storage_resize_allocates_copies_then_frees(tracer, monkeypatch):
     the old bytes on the current stream, then the old block's free, whatever order the callbacks fired in."""
     import types
 
-    from streamsan.tracers import torch as tt
+    from streamsan.tracers.torch import device
 
-    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
+    monkeypatch.setattr(device, "raw_stream", lambda dev: 0x1000)
     st = types.SimpleNamespace(device=types.SimpleNamespace(index=0), ptr=0x5000, n=64)
     st.data_ptr, st.nbytes = (lambda: st.ptr), (lambda: st.n)
 
     def orig(storage, size):  # the allocator: a new block, then the old one freed, as callbacks report them
-        tracer._on_alloc(0x9000)
-        tracer._emit((E.FREE, 0, storage.ptr, 0))  # (as the free callback does)
+        on_alloc(tracer, 0x9000)
+        tracer.emit((E.FREE, 0, storage.ptr, 0))  # (as the free callback does)
         storage.ptr, storage.n = 0x9000, size
 
     tracer.tracing = True
     mark = len(tracer.buffer.events)
-    tracer._storage_resize(orig, st, 128)
+    storage_resize.resize(tracer, orig, st, 128)
     a = tracer.agent(0, 0x1000)
     evs = [ev for ev in tracer.buffer.events[mark:] if ev[0] not in (E.STREAM, E.DEF_STACK)]
     assert [ev[0] for ev in evs] == [E.ALLOC, E.OP, E.FREE]
@@ -171,9 +175,9 @@ def test_a_storage_resize_is_located_at_the_user_s_call(tracer, monkeypatch):
     import inspect
     import types
 
-    from streamsan.tracers import torch as tt
+    from streamsan.tracers.torch import device
 
-    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
+    monkeypatch.setattr(device, "raw_stream", lambda dev: 0x1000)
     st = types.SimpleNamespace(device=types.SimpleNamespace(index=0), ptr=0x5000, n=64)
     st.data_ptr, st.nbytes = (lambda: st.ptr), (lambda: st.n)
 
@@ -181,8 +185,8 @@ def test_a_storage_resize_is_located_at_the_user_s_call(tracer, monkeypatch):
         storage.ptr, storage.n = 0x9000, size
 
     wrapper = {}  # streamsan's resize_ wrapper stands between the user's line and _storage_resize
-    exec(compile("def resize_(st, size):\n    return tracer._storage_resize(orig, st, size)\n", tt.__file__, "exec"),
-         {"tracer": tracer, "orig": orig}, wrapper)
+    exec(compile("def resize_(st, size):\n    return resize(tracer, orig, st, size)\n", storage_resize.__file__,
+                 "exec"), {"tracer": tracer, "orig": orig, "resize": storage_resize.resize}, wrapper)
     tracer.tracing = True
     line = inspect.currentframe().f_lineno + 1
     wrapper["resize_"](st, 128)
@@ -199,16 +203,15 @@ def test_an_engine_callback_between_nodes_is_named_with_its_backward_call(tracer
     import threading
 
     from streamsan.analysis.locations import ENGINE_FRAME, location
-    from streamsan.tracers import torch as tt
 
-    monkeypatch.setattr(tt, "_current_autograd_node", lambda: None)
-    tracer._backward_site = (("/src/train.py", 67, "main"),)
-    assert tracer._engine_stack([]) == 0
-    tracer._engine_threads.add(threading.get_ident())
+    monkeypatch.setattr(engine, "current_autograd_node", lambda: None)
+    tracer.backward_site = (("/src/train.py", 67, "main"),)
+    assert engine_stack(tracer, []) == 0
+    tracer.engine_threads.add(threading.get_ident())
     evs = []
-    sid = tracer._engine_stack(evs)
+    sid = engine_stack(tracer, evs)
     (define,) = [ev for ev in evs if ev[0] == E.DEF_STACK and ev[1] == sid]
     frames = tuple(tuple(f) for f in define[2])
-    assert frames == ((ENGINE_FRAME, 0, tt.ENGINE_CALLBACK), ("/src/train.py", 67, "main"))
+    assert frames == ((ENGINE_FRAME, 0, ENGINE_CALLBACK), ("/src/train.py", 67, "main"))
     assert location(frames, "?") == "callback at the end of backward (backward() at /src/train.py:67)"
-    assert sid not in tracer._engine_sids  # (not a backward node: its outputs are no gradients handed on)
+    assert sid not in tracer.engine_stacks  # (not a backward node: its outputs are no gradients handed on)

@@ -12,9 +12,10 @@ np = pytest.importorskip("numpy")
 
 from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.pinned import PinnedBlocks  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
-PINNED: dict = {}
+PINNED = PinnedBlocks()  # the pinned blocks the cases make, the tracer's own
 
 
 def pin(t):

@@ -8,7 +8,11 @@ torch = pytest.importorskip("torch")
 
 from streamsan import events as E  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch import device  # noqa: E402
+from streamsan.tracers.torch.callbacks import on_alloc  # noqa: E402
+from streamsan.tracers.torch.dispatch import dispatch, dispatch_host  # noqa: E402
+from streamsan.tracers.torch.placement import commit, run_inside  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 SRC, DST = 1, 2  # the current streams of the source and destination devices
 DEV0, DEV1 = 0x7000_0000, 0x9000_0000
@@ -19,7 +23,7 @@ def place(inner):
     evs = [("before",)]
     evs += inner
     op = E.op(SRC, "aten::copy_", reads=[E.rng(0, DEV0, 64)], writes=[E.rng(1, DEV1, 64)])
-    tracer._place(evs, 1, op, None)
+    tracer.place(evs, 1, op, None)
     return [("OP",) if ev is op else ev for ev in evs[1:]]
 
 
@@ -66,7 +70,7 @@ def place_collective(inner):
     tracer = TorchTracer(EventBuffer())
     evs = [("before",)] + inner
     op = E.op(SRC, "c10d::allreduce_", writes=[E.rng(0, DEV0, 64)])
-    tracer._place(evs, 1, op, None, collective=True)
+    tracer.place(evs, 1, op, None, collective=True)
     return [("OP", ev[1]) if ev[0] == E.OP else ev for ev in evs[1:]]
 
 
@@ -76,7 +80,7 @@ def test_the_stream_a_collective_runs_on_is_named_in_reports():
     handoff = [E.event_record(21, src), E.event_wait(21, nccl)]
     for first in (True, False):  # named once
         evs = [("before",)] + handoff
-        tracer._place(evs, 1, E.op(src, "c10d::allreduce_"), None, collective=True)
+        tracer.place(evs, 1, E.op(src, "c10d::allreduce_"), None, collective=True)
         named = [ev for ev in evs if ev[0] == E.STREAM]
         assert named == ([(E.STREAM, nccl, 0, 0x4000, 0, "collective stream")] if first else [])
 
@@ -104,7 +108,7 @@ def analyze_collective_then(after):
     inner = [E.event_record(21, SRC), E.event_wait(21, NCCL), E.event_record(22, NCCL)]
     evs = [E.stream(SRC, 0, 0x1000, name="default"), E.stream(NCCL, 0, 0x4000),
            E.alloc(0, DEV0, 64, SRC), E.op(SRC, "aten::fill_.Scalar", writes=[E.rng(0, DEV0, 64)])] + inner
-    tracer._place(evs, 4, E.op(SRC, "c10d::allreduce_", writes=[E.rng(0, DEV0, 64)]), None, collective=True)
+    tracer.place(evs, 4, E.op(SRC, "c10d::allreduce_", writes=[E.rng(0, DEV0, 64)]), None, collective=True)
     a = Analyzer()
     a.feed(evs + after)
     a.finish()
@@ -128,7 +132,7 @@ def test_a_collective_without_a_hand_off_stays_on_the_current_stream():
 
 
 def test_an_op_whose_run_saw_another_threads_flush_is_not_lost():
-    from streamsan.tracers.torch import OpPlan
+    from streamsan.tracers.torch.rules import OpPlan
 
     got = []
     tracer = TorchTracer(EventBuffer([got.extend]))
@@ -140,7 +144,7 @@ def test_an_op_whose_run_saw_another_threads_flush_is_not_lost():
         tracer.buffer.flush()
         return torch.ones(1)
 
-    tracer._host_op(op_run_while_another_thread_flushes, plan, (), {}, [pinned], [])
+    dispatch_host(tracer, op_run_while_another_thread_flushes, plan, (), {}, [pinned], [])
     tracer.buffer.flush()
     assert [ev[:3] for ev in got if ev[0] != E.DEF_STACK] == [("other thread",), (E.OP, E.HOST, "aten::add.Tensor")]
 
@@ -151,11 +155,11 @@ def test_allocations_inside_an_op_belong_to_its_stream_only_in_its_own_thread():
     tracer = TorchTracer(EventBuffer())
     own, others = [], []
     tracer.op_agent = (0, SRC, 0, 0, threading.get_ident(), own)
-    tracer._on_alloc(0x7000)
+    on_alloc(tracer, 0x7000)
     assert [ev[:5] for ev in own] == [(E.ALLOC, 0, 0x7000, 0, SRC)]  # the op's own list, placed with it
     tracer.op_agent = (0, SRC, 0, 0, threading.get_ident() + 1, others)  # another thread's op
     tracer.in_scope = 0  # (with the tracer on, the allocation would go to this thread's current stream)
-    tracer._on_alloc(0x8000)
+    on_alloc(tracer, 0x8000)
     assert others == [] and len(own) == 1
 
 
@@ -165,9 +169,9 @@ def _other_thread_reuses(tracer, flush=False) -> None:
     import threading
 
     def work():
-        tracer._emit((E.FREE, 0, 0x1000, 0))
-        tracer._emit((E.ALLOC, 0, 0x1000, 64, 2, 0, 0, ""))
-        tracer._emit((E.OP, 2, "aten::other", (), ((0, 0x1000, 64),), 0, 0, 0))
+        tracer.emit((E.FREE, 0, 0x1000, 0))
+        tracer.emit((E.ALLOC, 0, 0x1000, 64, 2, 0, 0, ""))
+        tracer.emit((E.OP, 2, "aten::other", (), ((0, 0x1000, 64),), 0, 0, 0))
         if flush:
             tracer.buffer.flush()
 
@@ -189,20 +193,19 @@ def test_an_ops_events_stay_together_whatever_another_thread_does_meanwhile(monk
     frees, allocates the same memory again and runs an op (and flushes the buffer) while the first op runs:
     before, everything in the buffer since the op began was taken as its own, and the other thread's allocation
     was moved before its free."""
-    from streamsan.tracers import torch as tt
 
-    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
+    monkeypatch.setattr(device, "raw_stream", lambda dev: 0x1000)
     got = []
     tracer = TorchTracer(EventBuffer([got.extend]))
 
     def op(*args):
-        tracer._on_alloc(0x2000)  # this op's own allocation
+        on_alloc(tracer, 0x2000)  # this op's own allocation
         _other_thread_reuses(tracer, flush)
 
     tracer.in_scope = 1
-    out, a, evs, mark = tracer._run_inside(op, (), {}, 0, 0)
-    tracer._place(evs, mark, (E.OP, a, "aten::mine", (), ((0, 0x2000, 64),), 0, 0, 0), None)
-    tracer._commit(evs)
+    out, a, evs, mark = run_inside(tracer, op, (), {}, 0, 0)
+    tracer.place(evs, mark, (E.OP, a, "aten::mine", (), ((0, 0x2000, 64),), 0, 0, 0), None)
+    commit(tracer, evs)
     tracer.buffer.flush()
     assert _in_order(got) == OTHER_THREAD + [(E.ALLOC, 0x2000), (E.OP, "aten::mine")]
 
@@ -212,17 +215,16 @@ def test_a_host_ops_events_stay_apart_from_another_threads(monkeypatch):
     events keep their order and their place, before the host op. Before, a host op took everything in the buffer
     since it began as its own and moved the allocations first: a block's new life began before the accesses of
     its old one (a false host-device race, seen on an H200 in a prefetcher thread's program)."""
-    from streamsan.tracers import torch as tt
 
-    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
+    monkeypatch.setattr(device, "raw_stream", lambda dev: 0x1000)
     got = []
     tracer = TorchTracer(EventBuffer([got.extend]))
     tracer.in_scope = 1
-    out, a, evs, mark = tracer._run_inside(lambda: _other_thread_reuses(tracer), (), {}, -1, 0)
+    out, a, evs, mark = run_inside(tracer, lambda: _other_thread_reuses(tracer), (), {}, -1, 0)
     assert a == E.HOST
-    tracer._place(evs, mark, (E.OP, a, "aten::_pin_memory", (), ((E.PINNED, 0x9000, 64),), 0, 0, 0), None,
+    tracer.place(evs, mark, (E.OP, a, "aten::_pin_memory", (), ((E.PINNED, 0x9000, 64),), 0, 0, 0), None,
                   pre=[(E.ALLOC, E.PINNED, 0x9000, 64, E.HOST, 0, 0, "")])
-    tracer._commit(evs)
+    commit(tracer, evs)
     tracer.buffer.flush()
     assert _in_order(got) == OTHER_THREAD + [(E.ALLOC, 0x9000), (E.OP, "aten::_pin_memory")]
 
@@ -231,23 +233,22 @@ def test_a_like_factorys_events_stay_apart_from_another_threads(monkeypatch):
     """``ones_like(x)`` of a CUDA tensor reads none of it (no access, so no device among its accesses): it runs on
     x's device, with its own events, whatever another thread does meanwhile. Before, it took the other thread's
     events as its own and moved their allocation before their free."""
-    from streamsan.tracers import torch as tt
     from torch_kit import cuda_like
 
-    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
+    monkeypatch.setattr(device, "raw_stream", lambda dev: 0x1000)
     got = []
     tracer = TorchTracer(EventBuffer([got.extend]))
     func = torch.ops.aten.ones_like.default
-    plan = tracer._plan(func)
+    plan = tracer.plan(func)
     x, result = cuda_like(16), cuda_like(16)
 
     def call(*args, **kwargs):
-        tracer._on_alloc(result.data_ptr())
+        on_alloc(tracer, result.data_ptr())
         _other_thread_reuses(tracer)
         return result
 
     plan.call = call
     tracer.in_scope = 1
-    assert tracer._dispatch(func, (x,), {}) is result
+    assert dispatch(tracer, func, (x,), {}) is result
     tracer.buffer.flush()
     assert _in_order(got) == OTHER_THREAD + [(E.ALLOC, result.data_ptr()), (E.OP, "aten::ones_like")]

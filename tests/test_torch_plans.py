@@ -4,7 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from streamsan.tracers.torch import OpPlan, _direct_call  # noqa: E402
+from streamsan.tracers.torch.rules import OpPlan, direct_call  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -69,7 +69,7 @@ def test_the_tracer_keeps_key_sharing_instance_dicts():
     """The hot path loads many tracer attributes per op: the instance must stay under CPython's limit for
     key-sharing dicts (see TorchTracer.__init__), also once started."""
     from streamsan.sink import EventBuffer
-    from streamsan.tracers.torch import MAX_ATTRIBUTES, TorchTracer
+    from streamsan.tracers.torch.tracer import MAX_ATTRIBUTES, TorchTracer
 
     tracer = TorchTracer(EventBuffer([lambda events: None]))
     tracer.start()
@@ -92,4 +92,4 @@ def test_plans_call_the_ops_handle_and_anything_unusual_as_it_is():
 
     odd = object.__new__(Overload)
     odd._op = add._op
-    assert _direct_call(odd) is odd
+    assert direct_call(odd) is odd

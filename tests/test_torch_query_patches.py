@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 
 from streamsan import events as E  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers import torch as tt  # noqa: E402
-from streamsan.tracers.torch import TorchTracer  # noqa: E402
+from streamsan.tracers.torch.patches.attributes import set_type_attr  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
 CLASSES = [torch.Event, torch.Stream, torch.cuda.Event, torch.cuda.Stream]
 
@@ -42,7 +42,7 @@ def test_query_is_patched_while_tracing_and_restored_after():
 def test_setting_an_attribute_of_an_immutable_type():
     with pytest.raises(TypeError):
         torch.Event.streamsan_probe = 1
-    assert tt._set_type_attr(torch.Event, "streamsan_probe", 1)
+    assert set_type_attr(torch.Event, "streamsan_probe", 1)
     try:
         assert torch.Event().streamsan_probe == 1
     finally:

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from streamsan.tracers.torch import OpPlan  # noqa: E402
+from streamsan.tracers.torch.rules import OpPlan  # noqa: E402
 
 TRAINING_FLAGS = ("training", "train", "use_input_stats")
 

@@ -113,7 +113,9 @@ torch = pytest.importorskip("torch")
 
 from streamsan import events as E  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers import torch as T  # noqa: E402
+from streamsan.tracers.torch import device  # noqa: E402
+from streamsan.tracers.torch.cuda_graphs import end_capture  # noqa: E402
+from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 from torch_kit import cuda_like  # noqa: E402
 
 
@@ -139,8 +141,8 @@ def launchable(cls, src):
 
 @pytest.fixture
 def tracer(monkeypatch):
-    monkeypatch.setattr(T, "_cuda_raw_stream", lambda dev: 0x77)
-    t = T.TorchTracer(EventBuffer([lambda events: None]))
+    monkeypatch.setattr(device, "raw_stream", lambda dev: 0x77)
+    t = TorchTracer(EventBuffer([lambda events: None]))
     t.start()
     yield t
     t.stop()
@@ -175,7 +177,7 @@ def test_a_launch_during_graph_capture_is_kept_for_the_replays(tracer):
     tracer.tracing = False
     k.run(out, grid=(1,), warmup=False)
     cap = tracer.graphs.current
-    tracer._end_capture(None)
+    end_capture(tracer, None)
     assert cap[:2] == ([], [(0, out.data_ptr(), 16)])
     assert not [ev for ev in tracer.buffer.events if ev[0] == E.OP]
 

@@ -139,7 +139,7 @@ class _FakeMode:
 
 def _backend(monkeypatch, initialized, name):
     torch = pytest.importorskip("torch")
-    from streamsan.tracers.torch import AllocatorBackend
+    from streamsan.tracers.torch.allocators import AllocatorBackend
 
     asked = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
@@ -183,13 +183,13 @@ class _Emits:
         self.tracing = True
         self.events = []
 
-    def _emit(self, ev):
+    def emit(self, ev):
         self.events.append(ev)
 
 
 def test_a_watched_block_is_freed_when_the_last_tensor_on_its_storage_dies():
     torch = pytest.importorskip("torch")
-    from streamsan.tracers.torch import AllocatorBackend
+    from streamsan.tracers.torch.allocators import AllocatorBackend
 
     b, tracer = AllocatorBackend(), _Emits()
     x = torch.zeros(64)
@@ -204,7 +204,7 @@ def test_a_watched_block_is_freed_when_the_last_tensor_on_its_storage_dies():
 
 def test_a_resized_storage_is_freed_by_the_resize_not_again_at_its_death():
     torch = pytest.importorskip("torch")
-    from streamsan.tracers.torch import AllocatorBackend
+    from streamsan.tracers.torch.allocators import AllocatorBackend
 
     b, tracer, other = AllocatorBackend(), _Emits(), _Emits()
     x = torch.zeros(64)
@@ -217,7 +217,7 @@ def test_a_resized_storage_is_freed_by_the_resize_not_again_at_its_death():
 
 def test_a_stopped_tracer_forgets_its_blocks_and_a_paused_one_emits_nothing():
     torch = pytest.importorskip("torch")
-    from streamsan.tracers.torch import AllocatorBackend
+    from streamsan.tracers.torch.allocators import AllocatorBackend
 
     b, tracer, paused = AllocatorBackend(), _Emits(), _Emits()
     paused.tracing = False
@@ -244,10 +244,10 @@ def test_no_block_is_watched_where_storage_objects_die_before_their_storage(monk
     """A torch whose storages' Python objects die with the temporary that made them would free every block at once:
     nothing is watched there."""
     torch = pytest.importorskip("torch")
-    from streamsan.tracers import torch as torch_tracer
+    from streamsan.tracers.torch import allocators
 
-    monkeypatch.setattr(torch_tracer, "_storage_objects_live_with_their_storage", lambda: False)
-    b, tracer = torch_tracer.AllocatorBackend(), _Emits()
+    monkeypatch.setattr(allocators, "storage_objects_live_with_their_storage", lambda: False)
+    b, tracer = allocators.AllocatorBackend(), _Emits()
     x = torch.zeros(64)
     b.watch(tracer, 0, x.untyped_storage().data_ptr(), x.untyped_storage())
     del x
@@ -256,28 +256,32 @@ def test_no_block_is_watched_where_storage_objects_die_before_their_storage(monk
 
 def test_this_torch_keeps_storage_objects_alive_with_their_storage():
     pytest.importorskip("torch")
-    from streamsan.tracers.torch import _storage_objects_live_with_their_storage
+    from streamsan.tracers.torch.allocators import storage_objects_live_with_their_storage
 
-    assert _storage_objects_live_with_their_storage()
+    assert storage_objects_live_with_their_storage()
 
 
 @pytest.fixture
 def unreporting(monkeypatch):
-    """A torch tracer, tracing, under an allocator backend that reports nothing (the process's one swapped out)."""
+    """A torch tracer, tracing, under an allocator backend that reports nothing (the process's one, changed for the
+    test)."""
     pytest.importorskip("torch")
     from streamsan.sink import EventBuffer
-    from streamsan.tracers import torch as tt
+    from streamsan.tracers.torch import device
+    from streamsan.tracers.torch.allocators import ALLOCATOR
+    from streamsan.tracers.torch.tracer import TorchTracer
 
-    backend = tt.AllocatorBackend()
-    backend.unreported, backend.name = True, "cudaMallocAsync"
-    monkeypatch.setattr(tt, "_ALLOCATOR", backend)
-    monkeypatch.setattr(tt, "_cuda_raw_stream", lambda dev: 0x1000)
-    tracer = tt.TorchTracer(EventBuffer())
+    monkeypatch.setattr(ALLOCATOR, "unreported", True)
+    monkeypatch.setattr(ALLOCATOR, "name", "cudaMallocAsync")
+    monkeypatch.setattr(ALLOCATOR, "watched", {})
+    monkeypatch.setattr(device, "raw_stream", lambda dev: 0x1000)
+    tracer = TorchTracer(EventBuffer())
     tracer.tracing = True
     return tracer
 
 
 def test_an_op_s_declared_output_is_freed_when_its_last_tensor_dies(unreporting):
+    from streamsan.tracers.torch.allocators import declare_outputs
     from torch_kit import cuda_like
 
     tracer = unreporting
@@ -285,7 +289,7 @@ def test_an_op_s_declared_output_is_freed_when_its_last_tensor_dies(unreporting)
     base = out.untyped_storage().data_ptr()
     evs = tracer.buffer.events
     mark = len(evs)
-    tracer._declare_outputs(evs, mark, out, 0, A, 5, 0)
+    declare_outputs(tracer, evs, mark, out, 0, A, 5, 0)
     view = out[4:]
     del out
     assert evs[mark:] == [(E.ALLOC, 0, base, 64, A, 5, 0, "float32[16]", UNREPORTED_POOL)]
@@ -309,21 +313,22 @@ class _Storage:
 
 def test_a_storage_resize_declares_the_new_block_and_frees_the_old_one(unreporting):
     """FSDP's ``resize_`` of a flat parameter's storage: no callback reports the new block or the old one's free."""
-    from streamsan.tracers import torch as tt
+    from streamsan.tracers.torch.allocators import ALLOCATOR
+    from streamsan.tracers.torch.patches import storage_resize
 
     tracer = unreporting
     st = _Storage(0x5000, 64)
-    tt._ALLOCATOR.watch(tracer, 0, 0x5000, st)  # declared when an op made it
+    ALLOCATOR.watch(tracer, 0, 0x5000, st)  # declared when an op made it
 
     def orig(storage, size):
         storage.ptr, storage.n = 0x9000, size
 
     mark = len(tracer.buffer.events)
-    tracer._storage_resize(orig, st, 128)
+    storage_resize.resize(tracer, orig, st, 128)
     a = tracer.agent(0, 0x1000)
     evs = [ev for ev in tracer.buffer.events[mark:] if ev[0] not in (E.STREAM, E.DEF_STACK)]
     assert [ev[0] for ev in evs] == [E.ALLOC, E.OP, E.FREE]
     assert evs[0][1:5] == (0, 0x9000, 128, a) and evs[0][7:] == ("storage", UNREPORTED_POOL)
     assert evs[1][1:5] == (a, "UntypedStorage.resize_", ((0, 0x5000, 64),), ((0, 0x9000, 64),))
     assert evs[2] == (E.FREE, 0, 0x5000, 0)
-    assert set(tt._ALLOCATOR.watched) == {0x9000}  # the storage, watched at its new block
+    assert set(ALLOCATOR.watched) == {0x9000}  # the storage, watched at its new block

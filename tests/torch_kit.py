@@ -38,7 +38,7 @@ def pinned_after_copy(n=16, batch=512, copy_writes=True):
     waits for."""
     from streamsan.analysis.analyzer import Analyzer
     from streamsan.sink import EventBuffer
-    from streamsan.tracers.torch import TorchTracer
+    from streamsan.tracers.torch.tracer import TorchTracer
 
     analyzer = Analyzer()
     tracer = TorchTracer(EventBuffer([analyzer.feed], batch=batch))

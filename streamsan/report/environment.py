@@ -64,7 +64,7 @@ def tracer_core() -> str:
     """Which torch tracer runs: ``c`` (its common case in ``streamsan/_ctracer.c``), or ``python`` and why."""
     if os.environ.get("STREAMSAN_CORE", "").strip().lower() == "python":
         return "python (STREAMSAN_CORE=python)"
-    allocator = getattr(sys.modules.get("streamsan.tracers.torch"), "_ALLOCATOR", None)
+    allocator = getattr(sys.modules.get("streamsan.tracers.torch.allocators"), "ALLOCATOR", None)
     if allocator is not None and allocator.unreported:
         return f"python (PyTorch's {allocator.name} CUDA allocator: the tracer declares allocations)"
     try:

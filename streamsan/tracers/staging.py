@@ -105,3 +105,16 @@ def changed_span(old: bytes, new: bytes) -> tuple[int, int]:
         else:
             lo = mid + 1
     return first, hi
+
+
+def refill_op(written, stack: int, ctx: int) -> tuple:
+    """The host OP that rewrote ``written`` (a range :meth:`PinnedStaging.check` found) outside traced calls."""
+    return (E.OP, E.HOST, WRITE_SEEN, (), (written,), stack, ctx, 0)
+
+
+def host_access(staged: PinnedStaging, name: str, reads, writes, stack: int, ctx: int) -> tuple:
+    """The host OP of an access the tracer sees to pinned memory (a view's, an op's on pinned tensors); the bytes
+    ``staged`` kept that it writes are forgotten."""
+    if writes and staged.kept:
+        staged.forget(writes)
+    return (E.OP, E.HOST, name, tuple(reads), tuple(writes), stack, ctx, 0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from scenario_kit import scenario_tests, streams
-from streamsan.tracers.torch import GRAPH_NOTE
+from streamsan.tracers.torch.cuda_graphs import GRAPH_NOTE
 
 N = 1 << 16
 BUSY = 2_000_000  # GPU cycles of torch.cuda._sleep: the replay is still running when the program goes on

@@ -7,7 +7,8 @@ import torch
 import torch.cuda._gpu_trace as gpu_trace
 
 import streamsan
-from streamsan.tracers.torch import COMPILE_NOTE, GRAPH_NOTE
+from streamsan.tracers.torch.cuda_graphs import GRAPH_NOTE
+from streamsan.tracers.torch.patches.compile import COMPILE_NOTE
 
 N = 1 << 16
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from scenario_kit import scenario_tests, streams
-from streamsan.tracers.torch import COMPILE_NOTE
+from streamsan.tracers.torch.patches.compile import COMPILE_NOTE
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")

@@ -1,0 +1,1 @@
+"""Harnesses the tests share with the benchmarks (``bench/`` imports them from here)."""
