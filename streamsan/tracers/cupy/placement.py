@@ -73,7 +73,7 @@ class Placement:
         evs.extend(after)
 
     def host_op(self, name, reads, writes) -> None:
-        """A host access to pinned memory through a :mod:`.pinned_numpy` view (ignored inside traced CuPy
+        """A host access to pinned memory through a :mod:`..pinned_numpy` view (ignored inside traced CuPy
         calls)."""
         if not self.running or getattr(self._tl, "depth", 0) or not (reads or writes) or not self._ops_on():
             return
@@ -84,7 +84,7 @@ class Placement:
         evs.append((E.OP, E.HOST, name, tuple(reads), tuple(writes), stack, self.ctx, 0))
 
     def pinned_range(self, arr):
-        """The PINNED range of a NumPy array over pinned memory this tracer knows (:mod:`.pinned_numpy`)."""
+        """The PINNED range of a NumPy array over pinned memory this tracer knows (:mod:`..pinned_numpy`)."""
         if not arr.size or self.pinned_blocks.find(arr.__array_interface__["data"][0]) is None:
             return None
         return host_range(self, arr, known=True)

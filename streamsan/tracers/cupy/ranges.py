@@ -1,6 +1,6 @@
 """The byte ranges CuPy calls touch: of device arrays, of NumPy arrays over pinned memory, of raw pointers.
 
-A range is ``(space, start, nbytes)``, or for a strided layout the form of :func:`.pinned_numpy.strided_range`;
+A range is ``(space, start, nbytes)``, or for a strided layout the form of :func:`..pinned_numpy.strided_range`;
 ``space`` is a device index or ``PINNED``. Reading a range never synchronizes or reads device memory: it uses
 array metadata, the tracer's known pinned blocks and ``cudaPointerGetAttributes``.
 """

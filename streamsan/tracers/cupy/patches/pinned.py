@@ -1,5 +1,5 @@
 """Patch: pinned host memory. ``cupy.cuda.alloc_pinned_memory`` declares each block it returns; the
-``cupyx.*_pinned`` array functions (patched when ``cupyx`` is imported) return a :mod:`..pinned_numpy` view of
+``cupyx.*_pinned`` array functions (patched when ``cupyx`` is imported) return a :mod:`...pinned_numpy` view of
 their array, whose host accesses are traced. Other pinned buffers are recognised by ``is_memory_pinned`` when a
 copy uses them (:func:`..ranges.host_range`)."""
 
