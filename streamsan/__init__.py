@@ -43,7 +43,7 @@ def label(tensor, text: str) -> None:
 def cupy_access(kernel, reads=(), writes=(), ignore=(), *, name=None):
     """Declare which arguments of a CuPy raw kernel it reads and writes (see ``docs/cupy.md``); returns
     ``kernel``. Without it every array argument of a ``RawKernel`` launch counts as read-and-write."""
-    from .tracers.cupy import cupy_access as declare
+    from .tracers.cupy.annotations import cupy_access as declare
 
     return declare(kernel, reads, writes, ignore, name=name)
 

@@ -138,7 +138,7 @@ class Session:
         if problem:
             self._note(problem)
             return
-        from .tracers.cupy import CupyTracer
+        from .tracers.cupy.tracer import CupyTracer
 
         tracer = CupyTracer(self.buffer, self.streams, self.stacks, scope=self.scope)
         self.tracers["cupy"] = tracer

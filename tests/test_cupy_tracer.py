@@ -19,8 +19,11 @@ from streamsan import events as E  # noqa: E402
 from streamsan.agents import StreamRegistry  # noqa: E402
 from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers import cupy as C  # noqa: E402
 from streamsan.tracers import pinned_numpy  # noqa: E402
+from streamsan.tracers.cupy import active, analyses, annotations  # noqa: E402
+from streamsan.tracers.cupy.tracer import CupyTracer  # noqa: E402
+from streamsan.tracers.pinned_numpy import pinned_class, strided_range  # noqa: E402
+from streamsan.tracers.staging import WRITE_SEEN  # noqa: E402
 
 # A meta-path finder that makes ``import torch`` fail as if torch were not installed.
 BLOCK_TORCH = textwrap.dedent("""
@@ -43,7 +46,7 @@ def run_child(code: str) -> subprocess.CompletedProcess:
 def test_cupy_tracer_import_does_not_import_torch_or_cupy():
     r = run_child("""
         import types
-        import streamsan.tracers.cupy as c, streamsan
+        import streamsan.tracers.cupy.tracer as c, streamsan
         assert "torch" not in sys.modules, "torch imported"
         assert "cupy" not in sys.modules, "cupy imported"
         # with a stub cupy module already imported, still no torch
@@ -104,41 +107,41 @@ template <typename T> __global__ void scale(T* out, const T in[], T k = 2) { }
 
 
 def test_cuda_parameter_names():
-    assert C._cuda_params(CODE, "copy_kernel") == ["x", "y", "n"]
-    assert C._cuda_params(CODE, "scale<float>") == ["out", "in", "k"]
-    assert C._cuda_params(CODE, "missing") is None
-    assert C._cuda_params('extern "C" __global__ void f(void) {}', "f") == []
+    assert annotations.cuda_parameter_names(CODE, "copy_kernel") == ["x", "y", "n"]
+    assert annotations.cuda_parameter_names(CODE, "scale<float>") == ["out", "in", "k"]
+    assert annotations.cuda_parameter_names(CODE, "missing") is None
+    assert annotations.cuda_parameter_names('extern "C" __global__ void f(void) {}', "f") == []
 
 
 def test_cupy_access_by_name_and_position():
     k = FakeRawKernel(CODE, "copy_kernel")
-    assert C.cupy_access(k, reads=("x",), writes=(1,)) is k
-    ann = C._ANNOTATIONS[("raw", CODE, "copy_kernel")]
+    assert annotations.cupy_access(k, reads=("x",), writes=(1,)) is k
+    ann = annotations.ACCESSES[("raw", CODE, "copy_kernel")]
     assert ann.reads == {0} and ann.writes == {1} and ann.ignore == frozenset()
-    C.cupy_access(k, reads="x", writes="y", ignore=())
-    assert C._ANNOTATIONS[("raw", CODE, "copy_kernel")].writes == {1}
+    annotations.cupy_access(k, reads="x", writes="y", ignore=())
+    assert annotations.ACCESSES[("raw", CODE, "copy_kernel")].writes == {1}
     with pytest.raises(ValueError):
-        C.cupy_access(k, reads=("nope",))
+        annotations.cupy_access(k, reads=("nope",))
     with pytest.raises(TypeError):
-        C.cupy_access(object(), reads=(0,))
+        annotations.cupy_access(object(), reads=(0,))
     with pytest.raises(ValueError):
-        C.cupy_access(FakeRawKernel("garbage", "k"), reads=("x",))  # names unknown: positions only
+        annotations.cupy_access(FakeRawKernel("garbage", "k"), reads=("x",))  # names unknown: positions only
     import streamsan
 
     k2 = FakeRawKernel(CODE, "scale<float>")
     streamsan.cupy_access(k2, writes=("out",), reads=("in",))
-    assert C._ANNOTATIONS[("raw", CODE, "scale<float>")].reads == {1}
+    assert annotations.ACCESSES[("raw", CODE, "scale<float>")].reads == {1}
 
 
 # ---------------------------------------------------------------------------------------------- ranges
 def test_strided_range():
-    assert C.strided_range(0, 1000, (4, 8), (32, 4), 4) == (0, 1000, 128)
-    assert C.strided_range(0, 1000, (4, 4), (32, 8), 4) == (0, 1000, 124, (4, (4, 4), (8, 2)))
+    assert strided_range(0, 1000, (4, 8), (32, 4), 4) == (0, 1000, 128)
+    assert strided_range(0, 1000, (4, 4), (32, 8), 4) == (0, 1000, 124, (4, (4, 4), (8, 2)))
     # negative strides: the range starts at the lowest address, the layout is mirrored
-    assert C.strided_range(0, 1096, (4, 8), (-32, 4), 4) == (0, 1000, 128)
-    assert C.strided_range(0, 1000, (3, 5), (0, 4), 4) == (0, 1000, 20, (4, (3, 5), (0, 1)))
-    assert C.strided_range(0, 1000, (0, 5), (20, 4), 4) is None
-    assert C.strided_range(0, 1000, (2, 3), (13, 4), 4) == (0, 1000, 25)  # not element-aligned: the extent
+    assert strided_range(0, 1096, (4, 8), (-32, 4), 4) == (0, 1000, 128)
+    assert strided_range(0, 1000, (3, 5), (0, 4), 4) == (0, 1000, 20, (4, (3, 5), (0, 1)))
+    assert strided_range(0, 1000, (0, 5), (20, 4), 4) is None
+    assert strided_range(0, 1000, (2, 3), (13, 4), 4) == (0, 1000, 25)  # not element-aligned: the extent
 
 
 def test_registry_forget_gives_a_new_agent():
@@ -167,7 +170,7 @@ def bare_tracer():
     np = pytest.importorskip("numpy")
     an = Analyzer()
     buf = EventBuffer([an.feed])
-    t = C.CupyTracer(buf)
+    t = CupyTracer(buf)
     t._numpy = np
     t._ndarray = type("ndarray", (), {})
     t._getDevice = lambda: 0
@@ -182,11 +185,11 @@ def bare_tracer():
 def tracer():
     """A bare tracer made the active one, as ``start()`` does (pinned NumPy views report to it)."""
     t, buf, an = bare_tracer()
-    C._active = t
+    active.tracer = t
     pinned_numpy.attach(t)
     yield t, buf, an
     pinned_numpy.detach(t)
-    C._active = None
+    active.tracer = None
 
 
 def test_events_inside_a_call_are_placed_around_its_op(tracer):
@@ -278,7 +281,7 @@ def pinned(t, n=64):
     host = np.zeros(n, dtype=np.float32)
     ptr = host.__array_interface__["data"][0]
     t._on_pinned(ptr, host.nbytes)
-    return host, host.view(C.pinned_class()), ptr
+    return host, host.view(pinned_class()), ptr
 
 
 def d2h(t, agent, ptr, nbytes):
@@ -312,7 +315,7 @@ def test_host_accesses_after_event_sync_are_clean(tracer):
     p[1:5] += 1
     np.copyto(p, 1.0)
     p.fill(3.0)
-    assert float(p[0]) == 3.0 and isinstance(p[2:4], C.pinned_class())
+    assert float(p[0]) == 3.0 and isinstance(p[2:4], pinned_class())
     assert type(p + 1) is np.ndarray and type(p.copy()) is np.ndarray
     buf.flush()
     assert an.sorted_findings() == []
@@ -347,7 +350,7 @@ def test_pinned_view_pickles_as_plain_ndarray(tracer):
 
 
 class FakeDeviceArray:
-    """What ``_range`` reads of a cupy.ndarray."""
+    """What ``device_range`` reads of a cupy.ndarray."""
 
     def __init__(self, ptr, nbytes):
         self.size = nbytes // 4
@@ -358,7 +361,7 @@ class FakeDeviceArray:
 
 def h2d_set(t, host, side):
     """``dev.set(host, stream=side)``: an asynchronous copy out of pinned memory."""
-    t._op("cupy.ndarray.set", lambda *a: None, (FakeDeviceArray(0x8000, host.nbytes), host), {}, C._an_set,
+    t._op("cupy.ndarray.set", lambda *a: None, (FakeDeviceArray(0x8000, host.nbytes), host), {}, analyses.set_h2d,
           lambda a, k: side)
 
 
@@ -374,7 +377,7 @@ def test_untraced_refill_of_a_pinned_array_races_with_the_previous_set(tracer):
     buf.flush()
     fs = an.sorted_findings()
     assert [(f.kind, f.previous.name, f.current.name, f.lo - ptr, f.hi - ptr) for f in fs] == [
-        ("host-device", "cupy.ndarray.set", C.WRITE_SEEN, 12, 16)]
+        ("host-device", "cupy.ndarray.set", WRITE_SEEN, 12, 16)]
 
 
 def test_traced_refill_is_reported_once_and_synchronized_refills_are_clean(tracer):

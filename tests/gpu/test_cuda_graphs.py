@@ -283,7 +283,7 @@ def test_cupy_captured_calls_do_not_run_at_capture(san):
     cupy = pytest.importorskip("cupy")
     if not cupy.cuda.is_available():
         pytest.skip("needs CuPy with a CUDA GPU")
-    from streamsan.tracers.cupy import GRAPH_NOTE as CUPY_GRAPH_NOTE
+    from streamsan.tracers.cupy.patches.graphs import GRAPH_NOTE as CUPY_GRAPH_NOTE
 
     def program():
         (cap,) = streams("capture", make=lambda: cupy.cuda.Stream(non_blocking=True))
