@@ -10,9 +10,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
-from . import minitoml
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
 from .exitcodes import RACES
 from .report.formats import FORMATS
 
@@ -117,15 +122,6 @@ def find_pyproject(start: str) -> str | None:
 
 def _table(text: str, path: str):
     try:
-        import tomllib
-    except ImportError:
-        try:
-            import tomli as tomllib
-        except ImportError:
-            tomllib = None
-    try:
-        if tomllib is None:
-            return minitoml.table(text, ("tool", "streamsan"))
         return tomllib.loads(text).get("tool", {}).get("streamsan")
     except ValueError as e:  # tomllib.TOMLDecodeError is a ValueError
         raise ConfigError(f"{path}: invalid TOML: {e}") from None

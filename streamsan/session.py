@@ -260,25 +260,16 @@ _current: Session | None = None
 
 
 def load_hooks(name: str):
-    """The hook module ``streamsan.hooks.<name>`` (shipped from the repository's ``hooks/`` directory), found
-    also when streamsan runs from a source tree where that package mapping does not apply."""
+    """The hook module ``streamsan.hooks.<name>``, or None if there is none of that name."""
     import importlib
-    import importlib.util
 
     full = f"streamsan.hooks.{name}"
     try:
         return importlib.import_module(full)
     except ModuleNotFoundError as e:
-        if e.name not in ("streamsan.hooks", full):
+        if e.name != full:
             raise
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hooks", f"{name}.py")
-    if not os.path.exists(path):
-        return None
-    spec = importlib.util.spec_from_file_location(full, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[full] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return None
 
 
 def watch(scope: str = "full", trace: str | None = None, helper: bool = True) -> Session:

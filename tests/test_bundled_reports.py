@@ -8,7 +8,7 @@ import jsonschema
 from streamsan.replay import replay_trace
 
 REPORTS = Path(__file__).parent.parent / "reports"
-SCHEMA = json.loads((REPORTS / "schema.json").read_text())
+SCHEMA = json.loads((REPORTS.parent / "streamsan" / "report" / "schema.json").read_text())
 
 
 def hazards(report):

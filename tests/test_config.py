@@ -14,7 +14,7 @@ for _p in (str(_HERE.parent), str(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from streamsan import exitcodes, minitoml  # noqa: E402
+from streamsan import exitcodes  # noqa: E402
 from streamsan.cli import main  # noqa: E402
 from streamsan.config import OPTIONS, ConfigError, find_pyproject, read_pyproject, resolve  # noqa: E402
 from test_cli import write_trace  # noqa: E402
@@ -134,43 +134,3 @@ def test_wrap_help_shows_every_option_with_its_default(capsys, monkeypatch):
     assert ("options come from, strongest first: the command line; STREAMSAN_<KEY> environment variables "
             "(STREAMSAN_FAIL_ON_RACE=1); the [tool.streamsan] table of the nearest pyproject.toml "
             "(fail_on_race = true); the defaults shown.") in out
-
-
-# ---------------------------------------------------------------- the TOML subset (Python 3.10 without tomli)
-def test_minitoml_reads_the_table():
-    text = ('# top\n[project]\nname = "x"\ndependencies = [\n  "a",\n]\n\n[ tool . streamsan ]  # ours\n'
-            'report = "out/r.json"  # where\ntrace = \'C:\\traces\\x\'\nfail_on_race = true\nscope="hooks"\n'
-            'n = -3\nesc = "a\\"b\\\\c\\n"\n\n[tool.streamsan.extra]\nformat = "no"\n')
-    assert minitoml.table(text, ("tool", "streamsan")) == {
-        "report": "out/r.json", "trace": "C:\\traces\\x", "fail_on_race": True, "scope": "hooks", "n": -3,
-        "esc": 'a"b\\c\n'}
-    assert minitoml.table("[project]\nname = 'x'\n", ("tool", "streamsan")) is None
-    assert minitoml.table("[tool.streamsan]\n[[tool.other]]\nx = 1\n", ("tool", "streamsan")) == {}
-
-
-@pytest.mark.parametrize("line,message", [
-    ("format = [1, 2]", "line 2: unsupported value '[1, 2]' (install tomli to read it)"),
-    ("just words", "line 2: expected key = value, got 'just words'"),
-])
-def test_minitoml_errors(line, message):
-    with pytest.raises(ValueError) as e:
-        minitoml.table(f"[tool.streamsan]\n{line}\n", ("tool", "streamsan"))
-    assert str(e.value) == message
-
-
-def test_minitoml_agrees_with_tomllib():
-    tomllib = pytest.importorskip("tomllib")
-    text = '[tool.streamsan]\nreport = "r.json"\nfail_on_race = false\nformat = \'sarif\'  # c\n'
-    assert minitoml.table(text, ("tool", "streamsan")) == tomllib.loads(text)["tool"]["streamsan"]
-
-
-def test_config_falls_back_to_minitoml(project, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tomllib", None)
-    monkeypatch.setitem(sys.modules, "tomli", None)
-    path = project / "pyproject.toml"
-    path.write_text('[tool.streamsan]\nformat = "perfetto"\n')
-    assert read_pyproject(str(path)) == {"format": "perfetto"}
-    path.write_text("[tool.streamsan]\nformat = [1]\n")
-    with pytest.raises(ConfigError) as e:
-        read_pyproject(str(path))
-    assert str(e.value) == f"{path}: invalid TOML: line 2: unsupported value '[1]' (install tomli to read it)"
