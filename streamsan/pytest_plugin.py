@@ -40,7 +40,7 @@ class StreamsanPlugin:
 
     def __init__(self, config):
         from .config import ConfigError, resolve
-        from .report.io import ReportError, check_writable
+        from .report.io import ReportError, prepare_output
         from .session import Session, current
         from .suppressions import SuppressionError, load_suppressions
 
@@ -48,7 +48,7 @@ class StreamsanPlugin:
         try:
             self.settings = resolve(given, _OPTIONS)
             self.rules = load_suppressions(self.settings["suppressions"]) if self.settings["suppressions"] else []
-            check_writable(self.settings["report"])
+            prepare_output(self.settings["report"])
         except (ConfigError, SuppressionError, ReportError) as e:
             raise pytest.UsageError(f"streamsan: {e}") from None
         active = current()
@@ -110,7 +110,7 @@ class StreamsanPlugin:
         s = self.session
         s.stop()
         report = build_report(s.analyzer, command=self.command,
-                              environment=collect_environment(self.command, import_missing=False),
+                              environment=collect_environment(import_missing=False),
                               complete=s.complete, problems=s.problems)
         for race in report["races"]:
             race["tests"] = self.tests.get(race["fingerprint"], [])

@@ -31,10 +31,11 @@ def _command(header: dict) -> list:
 
 
 def _environment(env) -> dict:
-    """The trace's environment, without the entries of the wrong type (a report must follow schema.json)."""
+    """The trace's environment, without the entries of the wrong type (a report must follow schema.json) and
+    without the command line that older traces kept there too (the report has it once, as ``command``)."""
     if not isinstance(env, dict):
         return {}
-    return {k: v for k, v in env.items() if schema_problem({k: v}, "environment") is None}
+    return {k: v for k, v in env.items() if k != "command" and schema_problem({k: v}, "environment") is None}
 
 
 def _explain(path: str, name: str, why: str) -> TraceError:

@@ -203,7 +203,7 @@ class Session:
         try:
             from .report.environment import collect_environment
 
-            return collect_environment(list(getattr(sys, "orig_argv", sys.argv)), import_missing=False)
+            return collect_environment(import_missing=False)
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"}
 
@@ -233,7 +233,7 @@ class Session:
         if self.active:
             self.buffer.flush()
         cmd = list(command) if command is not None else list(getattr(sys, "orig_argv", sys.argv))
-        return build_report(self.analyzer, command=cmd, environment=collect_environment(cmd),
+        return build_report(self.analyzer, command=cmd, environment=collect_environment(),
                             complete=self.complete, problems=tuple(self.problems))
 
     @property

@@ -22,7 +22,7 @@ import report_scenarios as S  # noqa: E402
 
 KEYS = tuple(OPTIONS)
 DEFAULTS = {"report": "streamsan-report.json", "trace": None, "scope": "full", "fail_on_race": False,
-            "suppressions": None, "format": "text"}
+            "suppressions": None, "format": "text", "output": None, "allow_incomplete": False}
 
 
 @pytest.fixture
@@ -54,7 +54,8 @@ def test_precedence_command_line_over_environment_over_pyproject(project):
     env = {"STREAMSAN_FORMAT": "json", "STREAMSAN_FAIL_ON_RACE": "0", "STREAMSAN_TRACE": ""}
     got = resolve({"format": "sarif", "trace": None}, KEYS, environ=env)
     assert got == {"report": str(project / "reports/r.json"), "trace": None, "scope": "hooks",
-                   "fail_on_race": False, "suppressions": str(project / "streamsan.supp"), "format": "sarif"}
+                   "fail_on_race": False, "suppressions": str(project / "streamsan.supp"), "format": "sarif",
+                   "output": None, "allow_incomplete": False}
     assert resolve({}, ("format",), environ=env) == {"format": "json"}
     assert resolve({}, ("format",), environ={}) == {"format": "markdown"}
 
@@ -86,7 +87,7 @@ def test_bad_environment_values(project, env, message):
     ('scope = "partial"', "[tool.streamsan] scope: expected one of full, hooks, got 'partial'"),
     ('report = ""', "[tool.streamsan] report: expected a non-empty string, got ''"),
     ('colour = "red"', "[tool.streamsan]: unknown key 'colour' (known: report, trace, scope, fail_on_race, "
-                       "suppressions, format)"),
+                       "suppressions, format, output, allow_incomplete)"),
 ])
 def test_bad_pyproject_values(project, table, message):
     path = project / "pyproject.toml"
@@ -112,7 +113,7 @@ def test_cli_reads_the_configuration(project, capsys):
     assert code == exitcodes.RACES and json.loads(out)["summary"]["races"] == 1
     code = main(["replay", str(trace), "--format", "text", "--no-fail-on-race"])
     out, _ = capsys.readouterr()
-    assert code == 0 and out.startswith("streamsan: 1 race found, 1 occurrences")
+    assert code == 0 and out.startswith("streamsan: 1 race found, 1 occurrence ")
 
 
 def test_cli_config_errors_are_one_line(project, capsys, monkeypatch):

@@ -204,8 +204,8 @@ def test_merge_of_reports_without_processes_synthesizes_entries():
 # ---------------------------------------------------------------- environment
 def test_environment_without_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # "not installed"
-    env = collect_environment(["python", "x.py"])
-    assert env["command"] == ["python", "x.py"]
+    env = collect_environment()
+    assert "command" not in env  # (the report has it once, as its own "command")
     assert env["python"].startswith(".".join(map(str, sys.version_info[:2])))
     assert env["nvidia_driver"] is None and env["gpus"] == []
     for key in ("streamsan", "platform", "torch", "cuda_runtime", "tracer", "cupy", "transformers"):
@@ -217,7 +217,7 @@ def test_environment_says_which_torch_tracer_runs(monkeypatch):
     from streamsan.report.environment import tracer_core
 
     monkeypatch.setenv("STREAMSAN_CORE", "python")
-    assert collect_environment([])["tracer"] == "python (STREAMSAN_CORE=python)"
+    assert collect_environment()["tracer"] == "python (STREAMSAN_CORE=python)"
     monkeypatch.delenv("STREAMSAN_CORE")
     try:
         from streamsan import _ctracer
@@ -249,7 +249,7 @@ def test_environment_reads_nvml(monkeypatch):
         nvmlSystemGetDriverVersion=lambda: b"580.65.06", nvmlDeviceGetCount=lambda: 2,
         nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetName=lambda h: ["NVIDIA H200", b"NVIDIA H100"][h])
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    env = collect_environment([])
+    env = collect_environment()
     assert env["nvidia_driver"] == "580.65.06" and env["gpus"] == ["NVIDIA H200", "NVIDIA H100"]
 
 
@@ -258,14 +258,14 @@ def test_environment_survives_a_failing_nvml(monkeypatch):
         raise RuntimeError("NVML Shared Library Not Found")
 
     monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=boom))
-    env = collect_environment([])
+    env = collect_environment()
     assert env["nvidia_driver"] is None and env["gpus"] == []
 
 
 def test_environment_reports_only_imported_cupy_and_transformers(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="5.17.0"))
     monkeypatch.delitem(sys.modules, "cupy", raising=False)
-    env = collect_environment([])
+    env = collect_environment()
     assert env["transformers"] == "5.17.0" and env["cupy"] is None
 
 

@@ -147,7 +147,7 @@ def test_streamsan_merge_deduplicates_per_process_reports(family, tmp_path):
     out = tmp_path / "merged.json"
     done = subprocess.run([sys.executable, "-m", "streamsan", "merge", *reports, "-o", str(out)], env=env,
                           capture_output=True, text=True)
-    assert done.stderr == f"streamsan: merged 5 reports (1 races) into {out}\n"
+    assert done.stderr == f"streamsan: merged 5 reports (1 race) into {out}\n"
     merged = json.loads(out.read_text())
     assert [(r["kind"], r["count"], r["fingerprint"]) for r in merged["races"]] == [
         (r["kind"], r["count"], r["fingerprint"]) for r in wrapped["races"]]

@@ -74,10 +74,11 @@ def tracer_core() -> str:
     return "c" if getattr(_ctracer, "AVAILABLE", 0) else "python (the C tracer needs Python 3.11 or later)"
 
 
-def collect_environment(command, import_missing: bool = True) -> dict:
+def collect_environment(import_missing: bool = True) -> dict:
     """streamsan, Python, platform, torch (+ its CUDA runtime), the torch tracer (:func:`tracer_core`), CuPy,
-    transformers, NVIDIA driver and GPUs, and the command line. Unknown values are None. ``import_missing=False``: report torch only if the
-    process imported it (a traced process at exit must not import what it never used)."""
+    transformers, NVIDIA driver and GPUs (the command line is the report's own ``command``). Unknown values are
+    None. ``import_missing=False``: report torch only if the process imported it (a traced process at exit must
+    not import what it never used)."""
     driver, gpus = _nvml()
     torch_version = _module_version("torch", import_if_available=import_missing)
     return {
@@ -91,7 +92,6 @@ def collect_environment(command, import_missing: bool = True) -> dict:
         "transformers": _module_version("transformers", import_if_available=False),
         "nvidia_driver": driver,
         "gpus": gpus,
-        "command": [str(c) for c in command],
     }
 
 
