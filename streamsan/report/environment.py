@@ -96,13 +96,22 @@ def collect_environment(import_missing: bool = True) -> dict:
 
 
 def environment_rows(report: dict) -> list[tuple[str, str]]:
-    """(key, text) rows of a report's environment for renderers: lists joined, the command line included;
-    unknown values are ''."""
+    """(key, text) rows of a report's environment for renderers: lists joined, the command line included, an
+    entry that differs between merged processes listing their values; unknown values are ''."""
     env = dict(report.get("environment", {}))
     env.setdefault("command", report.get("command", []))
-    rows = []
-    for k, v in env.items():
-        if isinstance(v, list):
-            v = " ".join(map(str, v)) if k == "command" else ", ".join(map(str, v))
-        rows.append((k, "" if v in (None, "") else str(v)))
-    return rows
+    varying: dict[str, list] = {}
+    for p in report.get("processes", []):
+        for k, v in p.get("environment", {}).items():
+            varying.setdefault(k, []).append(v)
+        if not env["command"] and p.get("command"):
+            varying.setdefault("command", []).append(p["command"])
+    for k, values in varying.items():
+        env[k] = "varies by process: " + "; ".join(dict.fromkeys(_text_of(k, v) or "unknown" for v in values))
+    return [(k, _text_of(k, v)) for k, v in env.items()]
+
+
+def _text_of(key: str, value) -> str:
+    if isinstance(value, list):
+        value = " ".join(map(str, value)) if key == "command" else ", ".join(map(str, value))
+    return "" if value in (None, "") else str(value)
