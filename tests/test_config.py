@@ -39,7 +39,7 @@ def test_every_option_and_its_default():
     assert {k: o.default for k, o in OPTIONS.items()} == DEFAULTS
     assert [o.env for o in OPTIONS.values()] == ["STREAMSAN_REPORT", "STREAMSAN_TRACE", "STREAMSAN_SCOPE",
                                                  "STREAMSAN_FAIL_ON_RACE", "STREAMSAN_SUPPRESSIONS",
-                                                 "STREAMSAN_FORMAT"]
+                                                 "STREAMSAN_FORMAT", "STREAMSAN_OUTPUT", "STREAMSAN_ALLOW_INCOMPLETE"]
 
 
 def test_defaults_without_pyproject_or_environment(project):
