@@ -15,6 +15,7 @@ import os
 from .analyzer import Analyzer
 from .report.build import build_report
 from .report.io import schema_problem
+from .report.render_text import count_text
 from .report.syncs import attach_timelines, collect_timelines
 from .trace import TraceError, TraceReader, validate_batch
 
@@ -113,5 +114,5 @@ def replay_trace(path: str, *, with_process: bool = False, name: str | None = No
     problem = schema_problem(report)
     if problem:
         raise _explain(path, name, problem)
-    log.debug("%s: %d events, %d findings", name, analyzer.seq, len(analyzer.findings))
+    log.debug("%s: %s, %s", name, count_text(analyzer.seq, "event"), count_text(len(analyzer.findings), "finding"))
     return report
