@@ -1,4 +1,4 @@
-"""A transformers model decoding with DynamicCache(offloading=True): the cache race of DESIGN §1.
+"""A transformers model decoding with DynamicCache(offloading=True): the offloaded-cache stream race.
 
     python examples/transformers_offloaded_cache.py --model qwen3          # dense Qwen3, random weights
     python examples/transformers_offloaded_cache.py --model qwen3_next     # hybrid: Gated DeltaNet + attention
@@ -6,7 +6,10 @@
     python examples/transformers_offloaded_cache.py --stress 200           # GPU busy: the race corrupts logits
 
 Run it under ``streamsan wrap -- python examples/transformers_offloaded_cache.py``: with the GPU idle the outputs
-match, and streamsan still reports the two hazards (D2H -> H2D on pinned memory, missing record_stream).
+match, and streamsan still reports 4 findings, the two hazards of the cache on a layer's keys and on its
+values: the prefetch's H2D copy reads pinned memory that the offload's D2H copy may still be writing
+(device-device), and a prefetched tensor is freed without record_stream (missing-record-stream).
+The bundled ``reports/transformers-48947.*`` were made from this script (``reports/README.md`` says how).
 Needs a CUDA GPU and transformers 5.x; nothing is downloaded.
 """
 

@@ -2,12 +2,15 @@
 
 Every user error ends with one line ``streamsan: error: ...`` on stderr and an exit code from the table
 from :mod:`streamsan.exitcodes`, never a traceback. Options also come from the environment and pyproject.toml
-(:mod:`streamsan.config`).
+(:mod:`streamsan.config`). A report is printed before it is written: a file that cannot be written costs
+``wrap`` one warning line (the command's exit code is kept), and ``replay`` / ``merge`` an error line, never
+the findings.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -16,19 +19,29 @@ import tempfile
 
 from . import exitcodes as X
 from . import wrap
-from .config import PRECEDENCE, ConfigError, add_arguments, resolve
+from .config import PRECEDENCE, ConfigError, add_arguments, environment_warnings, resolve
 from .replay import replay_trace
 from .report.build import version
 from .report.formats import render
-from .report.io import ReportError, check_writable, load_report, write_report
+from .report.io import ReportError, load_report, prepare_output, write_report, write_text
 from .report.merge import merge_reports
+from .report.render_text import count_text, render_text
+from .report.verdict import fail_on_race_exit
 from .status import StatusLine, analysis_progress
 from .suppressions import SuppressionError, apply_suppressions, load_suppressions
 from .trace import TraceError
 
+# Where wrap writes a machine format by default: the report's path with this ending instead of ".json".
+MACHINE_ENDINGS = {"json": ".json", "html": ".html", "sarif": ".sarif", "perfetto": ".perfetto.json"}
+REPORT_OPTIONS = ("format", "fail_on_race", "allow_incomplete", "suppressions")
+
 
 class UsageError(Exception):
     """Bad command-line usage; the message is one line."""
+
+
+class OutputError(Exception):
+    """Standard output cannot be written (closed, full); the message is one line."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,8 +63,32 @@ def _verbose() -> None:
     log.setLevel(logging.DEBUG)
 
 
-def _race_exit(report: dict, args) -> int:
-    return X.RACES if args.fail_on_race and report["races"] else X.OK
+def _stdout():
+    if sys.stdout is None:
+        raise OutputError("standard output is closed")
+    return sys.stdout
+
+
+def _emit(text: str, stream) -> None:
+    """Write text to a standard stream; OutputError when that fails (BrokenPipeError passes: see main)."""
+    try:
+        stream.write(text)
+        stream.flush()
+    except BrokenPipeError:
+        raise
+    except (OSError, ValueError) as e:  # (ValueError: a closed stream)
+        raise OutputError(getattr(e, "strerror", None) or str(e)) from None
+
+
+def _exit_for(report: dict, args) -> int:
+    """The exit code that the report earns under --fail-on-race (OK without it), saying why when it fails
+    without races."""
+    if not args.fail_on_race:
+        return X.OK
+    code, why = fail_on_race_exit(report, args.allow_incomplete)
+    if why:
+        print(why, file=sys.stderr)
+    return code
 
 
 def _rules(args) -> list:
@@ -61,16 +98,6 @@ def _rules(args) -> list:
 
 def _suppress(report: dict, rules: list) -> dict:
     return apply_suppressions(report, rules) if rules else report
-
-
-def _finish(report: dict, args, out) -> None:
-    """Write the report where asked and print it in the chosen format to ``out``."""
-    if args.report:
-        write_report(report, args.report)
-    out.write(render(report, args.format, root=os.getcwd()))
-    out.flush()
-    if args.report:
-        print(f"streamsan: report written to {args.report}", file=sys.stderr)
 
 
 def _replay_all(paths: list, status: StatusLine) -> dict:
@@ -84,61 +111,131 @@ def _replay_all(paths: list, status: StatusLine) -> dict:
 
 
 def cmd_replay(args) -> int:
-    if args.report:
-        check_writable(args.report)
+    if args.report is not None:
+        prepare_output(args.report)
     rules = _rules(args)
     status = StatusLine(sys.stderr)
     try:
         report = _suppress(_replay_all(args.traces, status), rules)
     finally:
         status.clear()
-    _finish(report, args, sys.stdout)
-    return _race_exit(report, args)
+    _emit(render(report, args.format, root=os.getcwd()), _stdout())
+    if args.report is not None:
+        write_report(report, args.report)
+        print(f"streamsan: report written to {args.report}", file=sys.stderr)
+    return _exit_for(report, args)
 
 
 def cmd_show(args) -> int:
     report = load_report(args.report_file)
+    rules = _rules(args)
     try:
-        report = _suppress(report, _rules(args))
-        sys.stdout.write(render(report, args.format, root=os.getcwd()))
+        report = _suppress(report, rules)
+        text = render(report, args.format, root=os.getcwd())
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise ReportError(f"{args.report_file}: malformed report ({type(e).__name__}: {e})") from None
-    return _race_exit(report, args)
+    _emit(text, _stdout())
+    return _exit_for(report, args)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _distinct(paths: list, reports: list) -> list:
+    """The reports, each once: a report given again would count its findings twice. Again means the same file,
+    or the same content naming the same traced processes (a copy); two processes' reports may be equal
+    otherwise."""
+    kept: list[tuple[str, str, dict]] = []
+    for path, report in zip(paths, reports):
+        key = json.dumps(report, sort_keys=True)
+        with_pids = any(p.get("pid") is not None for p in report.get("processes", []))
+        same = next((p for p, k, _ in kept if _same_file(p, path) or (with_pids and k == key)), None)
+        if same is not None:
+            print(f"streamsan: warning: {path} is the same report as {same}: merged once", file=sys.stderr)
+            continue
+        kept.append((path, key, report))
+    return [r for _, _, r in kept]
 
 
 def cmd_merge(args) -> int:
-    check_writable(args.output)
-    reports = [load_report(p) for p in args.reports]
+    prepare_output(args.output)
+    reports = _distinct(args.reports, [load_report(p) for p in args.reports])
     try:
         merged = merge_reports(reports)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise ReportError(f"malformed report among the inputs ({type(e).__name__}: {e})") from None
     write_report(merged, args.output)
-    print(f"streamsan: merged {len(reports)} reports ({merged['summary']['races']} races) into {args.output}",
-          file=sys.stderr)
-    return _race_exit(merged, args)
+    print(f"streamsan: merged {count_text(len(reports), 'report')} ({count_text(merged['summary']['races'], 'race')})"
+          f" into {args.output}", file=sys.stderr)
+    return _exit_for(merged, args)
+
+
+def _rendering_path(args) -> str | None:
+    """Where wrap writes the report in the chosen format: ``--output`` (``-``: standard output); else, for a
+    machine format, the report's path with the format's ending; None: on stderr, as the summary."""
+    if args.output:
+        return args.output
+    ending = MACHINE_ENDINGS.get(args.format)
+    if ending is None:
+        return None
+    stem, ext = os.path.splitext(args.report)
+    return (stem if ext == ".json" else args.report) + ending
+
+
+def _wrap_outputs(report: dict, args, rendering: str | None) -> None:
+    """Print wrap's summary on stderr, then write the report and its rendering; a write that fails is one
+    warning line."""
+    summary = render(report, args.format) if rendering is None else render_text(report)
+    try:
+        _emit(summary, sys.stderr)
+    except OutputError:
+        pass  # (stderr itself is gone: there is nowhere to say anything)
+    try:
+        write_report(report, args.report)
+        print(f"streamsan: report written to {args.report}", file=sys.stderr)
+    except ReportError as e:
+        print(f"streamsan: warning: {e}", file=sys.stderr)
+    if rendering is None or (rendering == args.report and args.format == "json"):
+        return
+    text = render(report, args.format, root=os.getcwd())
+    try:
+        if rendering == "-":
+            _emit(text, _stdout())
+        else:
+            write_text(text, rendering)
+            print(f"streamsan: {args.format} report written to {rendering}", file=sys.stderr)
+    except (ReportError, OutputError) as e:
+        where = "" if rendering != "-" else "cannot write the standard output: "
+        print(f"streamsan: warning: {where}{e}", file=sys.stderr)
 
 
 def cmd_wrap(args) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         raise UsageError("wrap needs a command, e.g. 'streamsan wrap -- python train.py'")
-    check_writable(args.report)
+    prepare_output(args.report)
+    rendering = _rendering_path(args)
+    if rendering not in (None, "-"):
+        prepare_output(rendering)
     if args.trace:
-        check_writable(args.trace, directory_ok=True)
+        prepare_output(args.trace, directory_ok=True)
     rules = _rules(args)
     session_dir = tempfile.mkdtemp(prefix="streamsan-")
     logging.getLogger("streamsan").debug("session directory %s, command %s", session_dir, cmd)
     try:
         rc = wrap.run_command(cmd, wrap.child_env(session_dir, args.scope))
-        wrap.wait_for_writers(session_dir)
+        still_running = wrap.wait_for_writers(session_dir)
         status = StatusLine(sys.stderr)
         try:
-            report = _suppress(wrap.collect_report(session_dir, cmd, status), rules)
+            report = _suppress(wrap.collect_report(session_dir, cmd, status, still_running), rules)
         finally:
             status.clear()
         report["exit_status"] = wrap.exit_status(rc)
-        _finish(report, args, sys.stderr)
+        _wrap_outputs(report, args, rendering)
         if args.trace:
             try:
                 kept = wrap.keep_traces(session_dir, args.trace)
@@ -150,7 +247,9 @@ def cmd_wrap(args) -> int:
         shutil.rmtree(session_dir, ignore_errors=True)
     if args.fail_on_race and report["races"]:
         return X.RACES
-    return X.SIGNAL - rc if rc < 0 else rc
+    if rc != 0:
+        return X.SIGNAL - rc if rc < 0 else rc
+    return _exit_for(report, args)
 
 
 def _parser() -> _Parser:
@@ -158,38 +257,56 @@ def _parser() -> _Parser:
                 epilog=X.HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"streamsan {version()}")
     p.add_argument("-v", "--verbose", action="store_true", help="show diagnostics (the 'streamsan' logger)")
-    sub = p.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="subcommand", metavar="COMMAND")
 
     def add(name, help_text, options, run):
         sp = sub.add_parser(name, help=help_text, description=help_text, epilog=f"{PRECEDENCE}.\n\n{X.HELP}",
                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        # (SUPPRESS: a -v given before the command is not reset by this one's default)
+        sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="show diagnostics (the 'streamsan' logger)")
         add_arguments(sp, options)
         sp.set_defaults(run=run, options=options)
         return sp
 
     w = add("wrap", "run a command with every Python process in it traced, then report",
-            ("report", "trace", "scope", "format", "fail_on_race", "suppressions"), cmd_wrap)
+            ("report", "trace", "scope", "output", *REPORT_OPTIONS), cmd_wrap)
     w.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run")
 
-    r = add("replay", "analyze trace files and report", ("format", "fail_on_race", "suppressions"), cmd_replay)
+    r = add("replay", "analyze trace files and report", REPORT_OPTIONS, cmd_replay)
     r.add_argument("traces", nargs="+", metavar="TRACE")
     r.add_argument("--report", metavar="PATH", help="also write the JSON report here")
 
-    s = add("show", "print a JSON report in any format", ("format", "fail_on_race", "suppressions"), cmd_show)
+    s = add("show", "print a JSON report in any format", REPORT_OPTIONS, cmd_show)
     s.add_argument("report_file", metavar="REPORT")
 
-    m = add("merge", "merge JSON reports, deduplicating races by fingerprint", ("fail_on_race",), cmd_merge)
+    m = add("merge", "merge JSON reports, deduplicating races by fingerprint", ("fail_on_race", "allow_incomplete"),
+            cmd_merge)
     m.add_argument("reports", nargs="+", metavar="REPORT")
     m.add_argument("-o", "--output", required=True, metavar="OUT")
     return p
 
 
+def _silence_stdout() -> None:
+    """Point the standard output at /dev/null, so that Python's own last flush at exit has nothing to fail on."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
 def main(argv=None) -> int:
     """Run the command line; returns the exit code."""
     try:
-        args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+        parser = _parser()
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
         if args.verbose:
             _verbose()
+        for line in environment_warnings():
+            print(line, file=sys.stderr)
+        if args.subcommand is None:  # bare `streamsan`
+            _emit(parser.format_help(), _stdout())
+            return X.OK
         given = {k: getattr(args, k) for k in args.options}
         vars(args).update(resolve(given, args.options))
         return args.run(args)
@@ -198,6 +315,10 @@ def main(argv=None) -> int:
     except (UsageError, TraceError, ReportError, ConfigError, SuppressionError) as e:
         print(f"streamsan: error: {e}", file=sys.stderr)
         return X.USAGE
+    except OutputError as e:
+        print(f"streamsan: error: cannot write the standard output: {e}", file=sys.stderr)
+        _silence_stdout()
+        return X.USAGE
     except wrap.CommandError as e:
         print(f"streamsan: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -205,5 +326,5 @@ def main(argv=None) -> int:
         print("streamsan: interrupted", file=sys.stderr)
         return X.INTERRUPTED
     except BrokenPipeError:  # `streamsan show r.json | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _silence_stdout()
         return X.OK

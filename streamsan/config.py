@@ -8,12 +8,18 @@ the current directory upward; relative paths in it are relative to its directory
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
-from . import minitoml
-from .exitcodes import RACES
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+from .exitcodes import INCOMPLETE, NOTHING_CHECKED, RACES
 from .report.formats import FORMATS
 
 log = logging.getLogger("streamsan")
@@ -62,7 +68,21 @@ OPTIONS = {o.key: o for o in (
            "bool"),
     Option("suppressions", None, "a file of suppression rules (see docs/usage.md)", "path", metavar="FILE"),
     Option("format", "text", "how to print the report", choices=FORMATS),
+    Option("output", None, "wrap: where the report goes in a --format other than text and markdown: a file, or - "
+           "for standard output (default: the report's path with the format's extension)", "path",
+           metavar="PATH"),
+    Option("allow_incomplete", False, f"under --fail-on-race, pass a report without races that is incomplete "
+           f"(else exit {INCOMPLETE}) or in which nothing was checked (else exit {NOTHING_CHECKED})", "bool"),
 )}
+
+# The STREAMSAN_* variables that are no option above, and what reads them.
+OTHER_VARIABLES = {
+    "STREAMSAN_CORE": "python: run the torch tracer without its C part",
+    "STREAMSAN_SESSION_DIR": "set by streamsan wrap for the processes it runs",
+    "STREAMSAN_RECORD_DIR": "the GPU tests: record each scenario's trace there",
+    "STREAMSAN_TEST_ALLOCATOR": "the GPU tests: a CUDA allocator library to load",
+}
+CORE_VALUES = ("python", "c")
 
 
 def add_arguments(parser: argparse.ArgumentParser, keys) -> None:
@@ -102,6 +122,26 @@ def _from_env(o: Option, text: str):
     raise ConfigError(f"{o.env}: expected one of {', '.join(_TRUE + _FALSE)}, got {text!r}")
 
 
+def environment_warnings(environ=None) -> list[str]:
+    """One line for each ``STREAMSAN_*`` variable that streamsan ignores: a name it does not know (a misspelled
+    option), or a ``STREAMSAN_CORE`` it does not understand. Bad values of options are errors where they are
+    used (:func:`resolve`)."""
+    environ = os.environ if environ is None else environ
+    known = [o.env for o in OPTIONS.values()] + list(OTHER_VARIABLES)
+    out = []
+    for name in sorted(environ):
+        if not name.startswith("STREAMSAN_") or name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(known)}"
+        out.append(f"streamsan: warning: unknown environment variable {name} ignored ({hint})")
+    core = environ.get("STREAMSAN_CORE", "").strip().lower()
+    if core and core not in CORE_VALUES:
+        out.append(f"streamsan: warning: STREAMSAN_CORE={environ['STREAMSAN_CORE']!r} ignored (expected one of "
+                   f"{', '.join(CORE_VALUES)}): the torch tracer runs with its C part where it was built")
+    return out
+
+
 def find_pyproject(start: str) -> str | None:
     """The nearest pyproject.toml in ``start`` or a directory above it."""
     d = os.path.abspath(start)
@@ -117,15 +157,6 @@ def find_pyproject(start: str) -> str | None:
 
 def _table(text: str, path: str):
     try:
-        import tomllib
-    except ImportError:
-        try:
-            import tomli as tomllib
-        except ImportError:
-            tomllib = None
-    try:
-        if tomllib is None:
-            return minitoml.table(text, ("tool", "streamsan"))
         return tomllib.loads(text).get("tool", {}).get("streamsan")
     except ValueError as e:  # tomllib.TOMLDecodeError is a ValueError
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
@@ -149,7 +180,7 @@ def read_pyproject(path: str) -> dict:
         if o is None:
             raise ConfigError(f"{path}: [tool.streamsan]: unknown key {key!r} (known: {', '.join(OPTIONS)})")
         value = _check(o, value, f"{path}: [tool.streamsan] {key}")
-        if o.kind == "path":
+        if o.kind == "path" and value != "-":
             value = os.path.join(os.path.dirname(path), os.path.expanduser(value))
         out[key] = value
     return out

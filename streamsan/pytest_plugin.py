@@ -3,7 +3,8 @@ a new finding (a new fingerprint) appears fails with the finding's one-paragraph
 session writes one combined JSON report (each finding with the tests it occurred in) and prints its path.
 
 Registered through the ``pytest11`` entry point. Without ``--streamsan`` it only adds its options. Options
-also come from ``STREAMSAN_*`` variables and ``[tool.streamsan]`` (see :mod:`streamsan.config`).
+also come from ``STREAMSAN_*`` variables and ``[tool.streamsan]`` (see :mod:`streamsan.config`). Under
+``streamsan wrap`` (or another active session) its session joins that one (see :mod:`streamsan.session`).
 """
 
 from __future__ import annotations
@@ -40,21 +41,17 @@ class StreamsanPlugin:
 
     def __init__(self, config):
         from .config import ConfigError, resolve
-        from .report.io import ReportError, check_writable
-        from .session import Session, current
+        from .report.io import ReportError, prepare_output
+        from .session import Session
         from .suppressions import SuppressionError, load_suppressions
 
         given = {k: config.getoption(f"streamsan_{k}") for k in _OPTIONS}
         try:
             self.settings = resolve(given, _OPTIONS)
             self.rules = load_suppressions(self.settings["suppressions"]) if self.settings["suppressions"] else []
-            check_writable(self.settings["report"])
+            prepare_output(self.settings["report"])
         except (ConfigError, SuppressionError, ReportError) as e:
             raise pytest.UsageError(f"streamsan: {e}") from None
-        active = current()
-        if active is not None and active.active:
-            raise pytest.UsageError("streamsan: a streamsan session is already active in this process "
-                                    "(pytest --streamsan cannot run under 'streamsan wrap' or streamsan.enable())")
         self.command = ["pytest", *config.invocation_params.args]
         self.tests: dict[str, list] = {}
         self.report = None
@@ -110,11 +107,11 @@ class StreamsanPlugin:
         s = self.session
         s.stop()
         report = build_report(s.analyzer, command=self.command,
-                              environment=collect_environment(self.command, import_missing=False),
+                              environment=collect_environment(import_missing=False),
                               complete=s.complete, problems=s.problems)
         for race in report["races"]:
             race["tests"] = self.tests.get(race["fingerprint"], [])
-        if self.settings["trace"] and report["races"]:
+        if self.settings["trace"] and report["races"] and s.writer is not None:
             from .report.syncs import attach_timelines, collect_timelines
             from .trace import TraceReader
 

@@ -15,6 +15,7 @@ import os
 from .analysis.analyzer import Analyzer
 from .report.build import build_report
 from .report.io import schema_problem
+from .report.render_text import count_text
 from .report.syncs import attach_timelines, collect_timelines
 from .trace import TraceError, TraceReader, validate_batch
 
@@ -31,10 +32,11 @@ def _command(header: dict) -> list:
 
 
 def _environment(env) -> dict:
-    """The trace's environment, without the entries of the wrong type (a report must follow schema.json)."""
+    """The trace's environment, without the entries of the wrong type (a report must follow schema.json) and
+    without the command line that older traces kept there too (the report has it once, as ``command``)."""
     if not isinstance(env, dict):
         return {}
-    return {k: v for k, v in env.items() if schema_problem({k: v}, "environment") is None}
+    return {k: v for k, v in env.items() if k != "command" and schema_problem({k: v}, "environment") is None}
 
 
 def _explain(path: str, name: str, why: str) -> TraceError:
@@ -112,5 +114,5 @@ def replay_trace(path: str, *, with_process: bool = False, name: str | None = No
     problem = schema_problem(report)
     if problem:
         raise _explain(path, name, problem)
-    log.debug("%s: %d events, %d findings", name, analyzer.seq, len(analyzer.findings))
+    log.debug("%s: %s, %s", name, count_text(analyzer.seq, "event"), count_text(len(analyzer.findings), "finding"))
     return report

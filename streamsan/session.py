@@ -3,6 +3,9 @@
 * ``with streamsan.watch() as s: ...`` analyzes in this process; ``s.findings``, ``s.report()``,
   ``s.save(path)`` and ``s._repr_html_()`` (notebooks) give the result.
 * ``streamsan.enable()`` / ``streamsan.disable()``: the same without a ``with`` block.
+* A session started while another is active (``watch()`` in ``watch()``, ``enable()`` twice, a program's
+  ``watch()`` under ``streamsan wrap`` or ``pytest --streamsan``) joins it, with one note: its findings are the
+  active session's over its own span (under ``wrap``, whose processes only record, they are in wrap's report).
 * :func:`start_from_env` is what ``streamsan wrap`` runs in every Python process it starts (through its
   ``sitecustomize``): it records a trace file in ``$STREAMSAN_SESSION_DIR`` that the wrapping process
   analyzes, so a crash of the program loses at most the last unflushed batch of events.
@@ -13,6 +16,7 @@ Tracers attach when their library is imported (never importing it themselves).
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import os
 import signal
@@ -48,6 +52,7 @@ class Session:
         self._helper = None
         self._use_helper = analyze and helper
         self.writer = None
+        self._trace_path = trace_path
         consumers = []
         if trace_path:
             from .trace import TraceWriter
@@ -64,10 +69,18 @@ class Session:
         self.problems: list[str] = []
         self.echo = echo  # say notes on stderr (not under `streamsan wrap`, whose report says them)
         self._torch_unsupported = False
+        self.analyzes = analyze
+        self._outer: Session | None = None  # the active session this one joined
+        self._counts_before: dict = {}  # joined: each finding's count when this session started
+        self._region: list | None = None  # joined and stopped: its findings
 
     @property
     def analyzer(self):
-        """The analyzer: in a helper session, a copy of the helper's as of now (while active) or its final one."""
+        """The analyzer: in a helper session, a copy of the helper's as of now (while active) or its final one;
+        in a joined session, the active session's, seen with this session's findings."""
+        if self._outer is not None:
+            outer = self._outer.analyzer if self._outer.analyzes else None
+            return _Region(outer or Analyzer(), self.findings)
         if self._helper is not None:
             self.buffer.flush()
             a, problems = self._helper.snapshot()
@@ -94,9 +107,16 @@ class Session:
     def start(self) -> "Session":
         global _current
         if _current is not None and _current is not self and _current.active:
-            raise RuntimeError("a streamsan session is already active in this process")
+            return self._join(_current)
         _current = self
         self.active = True
+        if self.echo:
+            from .config import environment_warnings
+
+            for line in environment_warnings():
+                if line not in _said:
+                    _said.add(line)
+                    print(line, file=sys.stderr)
         if self._use_helper and self._helper is None and self._analyzer is None:
             from .helper import AnalysisHelper
 
@@ -160,9 +180,46 @@ class Session:
             if self.echo:
                 print(f"streamsan: {text}", file=sys.stderr)
 
+    def _join(self, outer: "Session") -> "Session":
+        """Start as a part of ``outer``: its tracers trace, its analyzer (if it has one) finds."""
+        self._outer = outer
+        self.tracers, self.buffer, self.streams, self.stacks = outer.tracers, outer.buffer, outer.streams, outer.stacks
+        note = JOINED if outer.analyzes else JOINED_RECORDING
+        if self.writer is not None:  # (its events are in the active session's trace, after their definitions)
+            self.writer.close()
+            os.unlink(self.writer.path)
+            self.writer = None
+            note += f"; no trace is written to {self._trace_path}"
+        if outer.analyzes:
+            self._counts_before = {f.fingerprint: f.count for f in outer.findings}
+        else:
+            self.problems.append(JOINED_RECORDING)
+        if self.echo and note not in _said:
+            _said.add(note)
+            print(f"streamsan: {note}", file=sys.stderr)
+        self.active = True
+        return self
+
+    def _region_findings(self) -> list:
+        """The active session's findings that occurred since this one joined, each counted over that span."""
+        if not self._outer.analyzes:
+            return []
+        out = []
+        for f in self._outer.findings:
+            n = f.count - self._counts_before.get(f.fingerprint, 0)
+            if n > 0:
+                f = copy.copy(f)
+                f.count = n
+                out.append(f)
+        return out
+
     def stop(self) -> None:
         global _current
         if not self.active:
+            return
+        if self._outer is not None:
+            self._region = self._region_findings()
+            self.active = False
             return
         self.active = False
         for tracer in list(self.tracers.values()):
@@ -204,7 +261,7 @@ class Session:
         try:
             from .report.environment import collect_environment
 
-            return collect_environment(list(getattr(sys, "orig_argv", sys.argv)), import_missing=False)
+            return collect_environment(import_missing=False)
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"}
 
@@ -222,6 +279,8 @@ class Session:
     # ------------------------------------------------------------------ results
     @property
     def findings(self) -> list:
+        if self._outer is not None:
+            return self._region_findings() if self.active else list(self._region)
         if self.active:
             self.buffer.flush()
         a = self.analyzer
@@ -234,13 +293,16 @@ class Session:
         if self.active:
             self.buffer.flush()
         cmd = list(command) if command is not None else list(getattr(sys, "orig_argv", sys.argv))
-        return build_report(self.analyzer, command=cmd, environment=collect_environment(cmd),
-                            complete=self.complete, problems=tuple(self.problems))
+        problems = self.problems if self._outer is None else [*self._outer.problems, *self.problems]
+        return build_report(self.analyzer, command=cmd, environment=collect_environment(),
+                            complete=self.complete, problems=tuple(problems))
 
     @property
     def complete(self) -> bool:
         """Whether every event was analyzed (no analyzer error, no helper lost) and every tracer traced to the end
-        (none stopped on a bug of its own)."""
+        (none stopped on a bug of its own). A session that joined one that only records analyzed nothing."""
+        if self._outer is not None:
+            return self._outer.analyzes and self._outer.complete
         return not any(p.startswith(INCOMPLETE_PREFIXES) for p in self.problems) and not any(
             getattr(t, "stopped_on_bug", False) for t in self.tracers.values())
 
@@ -257,29 +319,40 @@ class Session:
         return render_session_html(self.report())
 
 
+class _Region:
+    """An analyzer as a joined session sees it: the active session's, with the joined session's findings."""
+
+    def __init__(self, analyzer, findings: list):
+        self._analyzer = analyzer
+        self._findings = findings
+
+    def __getattr__(self, name):
+        return getattr(self._analyzer, name)
+
+    def sorted_findings(self) -> list:
+        return sorted(self._findings, key=lambda f: (f.previous.seq, f.current.seq))
+
+
+JOINED = ("a streamsan session is already active in this process: this one joins it (its findings are the "
+          "active session's, over this one's span)")
+JOINED_RECORDING = ("this process is traced by streamsan wrap: this session joins it, and the findings are in "
+                    "wrap's report")
+_said: set = set()  # the join notes and environment warnings said in this process (each once)
+_enabled: list = []  # the sessions enable() started, oldest first
 _current: Session | None = None
 
 
 def load_hooks(name: str):
-    """The hook module ``streamsan.hooks.<name>`` (shipped from the repository's ``hooks/`` directory), found
-    also when streamsan runs from a source tree where that package mapping does not apply."""
+    """The hook module ``streamsan.hooks.<name>``, or None if there is none of that name."""
     import importlib
-    import importlib.util
 
     full = f"streamsan.hooks.{name}"
     try:
         return importlib.import_module(full)
     except ModuleNotFoundError as e:
-        if e.name not in ("streamsan.hooks", full):
+        if e.name != full:
             raise
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hooks", f"{name}.py")
-    if not os.path.exists(path):
-        return None
-    spec = importlib.util.spec_from_file_location(full, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[full] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return None
 
 
 def watch(scope: str = "full", trace: str | None = None, helper: bool = True) -> Session:
@@ -292,12 +365,14 @@ def enable(scope: str = "full", trace: str | None = None, helper: bool = True) -
     """Start tracing until :func:`disable` (or the end of the process)."""
     s = Session(scope=scope, trace_path=trace, helper=helper).start()
     atexit.register(s.stop)
+    _enabled.append(s)
     return s
 
 
 def disable() -> Session | None:
-    """Stop the session started by :func:`enable`; returns it (its findings stay readable)."""
-    s = _current
+    """Stop the session that :func:`enable` started last (else the active one); returns it (its findings stay
+    readable)."""
+    s = _enabled.pop() if _enabled else _current
     if s is not None:
         s.stop()
     return s

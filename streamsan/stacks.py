@@ -17,18 +17,15 @@ from .analysis.locations import is_library_frame
 
 _getframe = sys._getframe
 
-_OWN_DIRS = tuple(
-    os.path.normcase(os.path.dirname(os.path.abspath(p))) + os.sep
-    for p in (__file__, os.path.join(os.path.dirname(__file__), "..", "hooks", "x"))
-)
+_OWN_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 OWN, LIBRARY, USER = 0, 1, 2
 
 
 def is_own_file(filename: str) -> bool:
-    """Whether a source file is streamsan's own (the package or its hooks)."""
-    return os.path.normcase(filename).startswith(_OWN_DIRS) or "streamsan" + os.sep + "hooks" + os.sep in filename
+    """Whether a source file is streamsan's own (the package, its hooks included)."""
+    return os.path.normcase(filename).startswith(_OWN_DIR)
 
 
 class StackTable:

@@ -1,14 +1,18 @@
-"""The bundled example: the transformers offloaded-cache race recorded on an H200, replayed without a GPU."""
+"""The bundled example: the transformers offloaded-cache race recorded on an H200, replayed without a GPU. The
+bundled report and its Markdown are the replay of the bundled trace, of the script in examples/."""
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
 
 from streamsan.replay import replay_trace
+from streamsan.report.render_markdown import render_markdown
 
-REPORTS = Path(__file__).parent.parent / "reports"
-SCHEMA = json.loads((REPORTS / "schema.json").read_text())
+ROOT = Path(__file__).parent.parent
+REPORTS = ROOT / "reports"
+SCHEMA = json.loads((ROOT / "streamsan" / "report" / "schema.json").read_text())
 
 
 def hazards(report):
@@ -29,8 +33,12 @@ EXPECTED = sorted([
 ])
 
 
+def replayed():
+    return replay_trace(str(REPORTS / "transformers-48947.sstrace"))
+
+
 def test_replay_of_the_bundled_trace_finds_both_hazards_with_labels():
-    report = replay_trace(str(REPORTS / "transformers-48947.sstrace"))
+    report = replayed()
     jsonschema.validate(report, SCHEMA)
     assert hazards(report) == EXPECTED
     by_kind = {r["kind"]: r for r in report["races"]}
@@ -40,10 +48,26 @@ def test_replay_of_the_bundled_trace_finds_both_hazards_with_labels():
     assert by_kind["device-device"]["access"]["context"].startswith("transformers Cache.update(")
 
 
-def test_bundled_report_is_the_full_run_and_valid():
-    report = json.loads((REPORTS / "transformers-48947.json").read_text())
-    jsonschema.validate(report, SCHEMA)
-    assert sorted(r["kind"] for r in report["races"]) == ["device-device", "device-device",
-                                                          "missing-record-stream", "missing-record-stream"]
-    assert all(r["count"] > 20 for r in report["races"])  # 8 layers x 4 steps: one finding per code location
-    assert report["environment"]["gpus"] and "H200" in report["environment"]["gpus"][0]
+def test_the_bundled_report_is_the_replay_of_the_bundled_trace():
+    bundled = json.loads((REPORTS / "transformers-48947.json").read_text())
+    jsonschema.validate(bundled, SCHEMA)
+    report = replayed()
+    assert [(r["fingerprint"], r["count"], r["memory"]["start"]) for r in bundled["races"]] == [
+        (r["fingerprint"], r["count"], r["memory"]["start"]) for r in report["races"]]
+    assert bundled["summary"] == report["summary"] and bundled["command"] == report["command"]
+    assert bundled["environment"]["gpus"] and "H200" in bundled["environment"]["gpus"][0]
+
+
+def test_the_bundled_command_is_the_example_in_the_repository():
+    script = json.loads((REPORTS / "transformers-48947.json").read_text())["command"][1]
+    assert script == "examples/transformers_offloaded_cache.py" and (ROOT / script).is_file()
+
+
+def test_the_markdown_and_the_texts_say_the_same_count_of_findings():
+    bundled = json.loads((REPORTS / "transformers-48947.json").read_text())
+    md = (REPORTS / "transformers-48947.md").read_text()
+    assert md == render_markdown(bundled)
+    assert md.startswith("## streamsan: 4 CUDA stream races found\n")
+    for text in ((REPORTS / "README.md").read_text(), (ROOT / "examples" / "transformers_offloaded_cache.py").read_text()):
+        assert re.search(r"\b4 findings\b", " ".join(text.split())), text[:200]
+        assert "two stream hazards" not in text

@@ -174,7 +174,7 @@ def test_replay_unwritable_report_fails_before_replaying(capsys, trace, tmp_path
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert_one_error(*run(capsys, "replay", trace, "--report", blocker / "r.json")[::2], exitcodes.USAGE,
-                     "does not exist")
+                     f"{blocker} is not a directory")
     assert_one_error(*run(capsys, "replay", trace, "--report", tmp_path)[::2], exitcodes.USAGE, "is a directory")
 
 
@@ -245,7 +245,7 @@ def test_merge(capsys, tmp_path):
         assert run(capsys, "replay", t, "--report", paths[-1])[0] == 0
     out = tmp_path / "merged.json"
     code, _, err = run(capsys, "merge", *paths, "-o", out)
-    assert code == 0 and f"merged 2 reports (1 races) into {out}" in err
+    assert code == 0 and f"merged 2 reports (1 race) into {out}" in err
     merged = json.loads(out.read_text())
     assert len(merged["races"]) == 1 and merged["races"][0]["count"] == 5 and len(merged["processes"]) == 2
     assert run(capsys, "merge", *paths, "-o", out, "--fail-on-race")[0] == exitcodes.RACES
@@ -257,13 +257,12 @@ def test_merge_errors(capsys, report_file, tmp_path):
     bad.write_text('{"schema": "other"}')
     assert_one_error(*run(capsys, "merge", report_file, bad, "-o", tmp_path / "m.json")[::2], exitcodes.USAGE,
                      "report schema 'other' is not supported")
-    assert_one_error(*run(capsys, "merge", report_file, "-o", tmp_path / "no" / "m.json")[::2],
-                     exitcodes.USAGE, "does not exist")
+    assert_one_error(*run(capsys, "merge", report_file, "-o", report_file / "m.json")[::2],
+                     exitcodes.USAGE, f"{report_file} is not a directory")
 
 
 # ---------------------------------------------------------------- usage
 @pytest.mark.parametrize("argv,fragment", [
-    ([], "required: COMMAND"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["replay"], "required: TRACE"),
     (["replay", "t.sstrace", "--bogus"], "unrecognized arguments: --bogus"),

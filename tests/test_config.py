@@ -14,7 +14,7 @@ for _p in (str(_HERE.parent), str(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from streamsan import exitcodes, minitoml  # noqa: E402
+from streamsan import exitcodes  # noqa: E402
 from streamsan.cli import main  # noqa: E402
 from streamsan.config import OPTIONS, ConfigError, find_pyproject, read_pyproject, resolve  # noqa: E402
 from test_cli import write_trace  # noqa: E402
@@ -22,7 +22,7 @@ import report_scenarios as S  # noqa: E402
 
 KEYS = tuple(OPTIONS)
 DEFAULTS = {"report": "streamsan-report.json", "trace": None, "scope": "full", "fail_on_race": False,
-            "suppressions": None, "format": "text"}
+            "suppressions": None, "format": "text", "output": None, "allow_incomplete": False}
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_every_option_and_its_default():
     assert {k: o.default for k, o in OPTIONS.items()} == DEFAULTS
     assert [o.env for o in OPTIONS.values()] == ["STREAMSAN_REPORT", "STREAMSAN_TRACE", "STREAMSAN_SCOPE",
                                                  "STREAMSAN_FAIL_ON_RACE", "STREAMSAN_SUPPRESSIONS",
-                                                 "STREAMSAN_FORMAT"]
+                                                 "STREAMSAN_FORMAT", "STREAMSAN_OUTPUT", "STREAMSAN_ALLOW_INCOMPLETE"]
 
 
 def test_defaults_without_pyproject_or_environment(project):
@@ -54,7 +54,8 @@ def test_precedence_command_line_over_environment_over_pyproject(project):
     env = {"STREAMSAN_FORMAT": "json", "STREAMSAN_FAIL_ON_RACE": "0", "STREAMSAN_TRACE": ""}
     got = resolve({"format": "sarif", "trace": None}, KEYS, environ=env)
     assert got == {"report": str(project / "reports/r.json"), "trace": None, "scope": "hooks",
-                   "fail_on_race": False, "suppressions": str(project / "streamsan.supp"), "format": "sarif"}
+                   "fail_on_race": False, "suppressions": str(project / "streamsan.supp"), "format": "sarif",
+                   "output": None, "allow_incomplete": False}
     assert resolve({}, ("format",), environ=env) == {"format": "json"}
     assert resolve({}, ("format",), environ={}) == {"format": "markdown"}
 
@@ -86,7 +87,7 @@ def test_bad_environment_values(project, env, message):
     ('scope = "partial"', "[tool.streamsan] scope: expected one of full, hooks, got 'partial'"),
     ('report = ""', "[tool.streamsan] report: expected a non-empty string, got ''"),
     ('colour = "red"', "[tool.streamsan]: unknown key 'colour' (known: report, trace, scope, fail_on_race, "
-                       "suppressions, format)"),
+                       "suppressions, format, output, allow_incomplete)"),
 ])
 def test_bad_pyproject_values(project, table, message):
     path = project / "pyproject.toml"
@@ -112,7 +113,7 @@ def test_cli_reads_the_configuration(project, capsys):
     assert code == exitcodes.RACES and json.loads(out)["summary"]["races"] == 1
     code = main(["replay", str(trace), "--format", "text", "--no-fail-on-race"])
     out, _ = capsys.readouterr()
-    assert code == 0 and out.startswith("streamsan: 1 race found, 1 occurrences")
+    assert code == 0 and out.startswith("streamsan: 1 race found, 1 occurrence ")
 
 
 def test_cli_config_errors_are_one_line(project, capsys, monkeypatch):
@@ -134,43 +135,3 @@ def test_wrap_help_shows_every_option_with_its_default(capsys, monkeypatch):
     assert ("options come from, strongest first: the command line; STREAMSAN_<KEY> environment variables "
             "(STREAMSAN_FAIL_ON_RACE=1); the [tool.streamsan] table of the nearest pyproject.toml "
             "(fail_on_race = true); the defaults shown.") in out
-
-
-# ---------------------------------------------------------------- the TOML subset (Python 3.10 without tomli)
-def test_minitoml_reads_the_table():
-    text = ('# top\n[project]\nname = "x"\ndependencies = [\n  "a",\n]\n\n[ tool . streamsan ]  # ours\n'
-            'report = "out/r.json"  # where\ntrace = \'C:\\traces\\x\'\nfail_on_race = true\nscope="hooks"\n'
-            'n = -3\nesc = "a\\"b\\\\c\\n"\n\n[tool.streamsan.extra]\nformat = "no"\n')
-    assert minitoml.table(text, ("tool", "streamsan")) == {
-        "report": "out/r.json", "trace": "C:\\traces\\x", "fail_on_race": True, "scope": "hooks", "n": -3,
-        "esc": 'a"b\\c\n'}
-    assert minitoml.table("[project]\nname = 'x'\n", ("tool", "streamsan")) is None
-    assert minitoml.table("[tool.streamsan]\n[[tool.other]]\nx = 1\n", ("tool", "streamsan")) == {}
-
-
-@pytest.mark.parametrize("line,message", [
-    ("format = [1, 2]", "line 2: unsupported value '[1, 2]' (install tomli to read it)"),
-    ("just words", "line 2: expected key = value, got 'just words'"),
-])
-def test_minitoml_errors(line, message):
-    with pytest.raises(ValueError) as e:
-        minitoml.table(f"[tool.streamsan]\n{line}\n", ("tool", "streamsan"))
-    assert str(e.value) == message
-
-
-def test_minitoml_agrees_with_tomllib():
-    tomllib = pytest.importorskip("tomllib")
-    text = '[tool.streamsan]\nreport = "r.json"\nfail_on_race = false\nformat = \'sarif\'  # c\n'
-    assert minitoml.table(text, ("tool", "streamsan")) == tomllib.loads(text)["tool"]["streamsan"]
-
-
-def test_config_falls_back_to_minitoml(project, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tomllib", None)
-    monkeypatch.setitem(sys.modules, "tomli", None)
-    path = project / "pyproject.toml"
-    path.write_text('[tool.streamsan]\nformat = "perfetto"\n')
-    assert read_pyproject(str(path)) == {"format": "perfetto"}
-    path.write_text("[tool.streamsan]\nformat = [1]\n")
-    with pytest.raises(ConfigError) as e:
-        read_pyproject(str(path))
-    assert str(e.value) == f"{path}: invalid TOML: line 2: unsupported value '[1]' (install tomli to read it)"

@@ -39,7 +39,7 @@ def test_without_cuda_the_program_runs_unchanged_and_streamsan_says_so_once(capf
                           "import torch; x = torch.ones(3); print(x.sum().item())")
     assert code == 0 and out == "3.0\n"
     ours = [line for line in err.splitlines() if line.startswith("streamsan")]  # torch may warn too (no numpy)
-    assert ours == ["streamsan: no races found (1 events, 0 stream ops, 0 streams).",
+    assert ours == ["streamsan: no races found (1 event, 0 stream ops, 0 streams).",
                     f"streamsan: warning: {NO_CUDA}",
                     "streamsan: report written to streamsan-report.json"]
     assert err.count("nothing could be checked") == 1
@@ -59,7 +59,7 @@ def test_an_unsupported_torch_runs_unchanged_and_streamsan_says_so_once(capfd, t
     assert code == 7 and out == f"1.13.0 {stub / '__init__.py'}\n"
     why = ("torch 1.13.0 is not supported (streamsan needs torch >= 2.4): nothing could be checked (the program "
            "ran unchanged)")
-    assert err == ("streamsan: no races found (1 events, 0 stream ops, 0 streams).\n"
+    assert err == ("streamsan: no races found (1 event, 0 stream ops, 0 streams).\n"
                    f"streamsan: warning: {why}\n"
                    "streamsan: report written to streamsan-report.json\n")
     assert err.count("nothing could be checked") == 1

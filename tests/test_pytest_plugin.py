@@ -84,7 +84,7 @@ def test_a_racy_test_fails_with_the_paragraph_and_a_clean_one_passes(inner):
     short = "FAILED test_inner.py::test_racy - Failed: streamsan: 1 new CUDA stream race"
     assert any(line.startswith(short) for line in lines)  # pytest folds the rest by terminal width
     assert "Traceback" not in result.stdout.str()  # the paragraph alone, no traceback
-    assert block(lines, "streamsan: 1 race found, 1 occurrences (1 device-device; 20 events, 3 stream ops, "
+    assert block(lines, "streamsan: 1 race found, 1 occurrence (1 device-device; 20 events, 3 stream ops, "
                         "3 streams).", 2)[1] == "streamsan: report written to streamsan-report.json"
     rep = json.loads((inner.path / "streamsan-report.json").read_text())
     assert [(r["kind"], r["count"], r["tests"]) for r in rep["races"]] == [

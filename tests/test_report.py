@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import types
 from pathlib import Path
@@ -36,7 +35,7 @@ def only_race(report):
 
 def validator():
     jsonschema = pytest.importorskip("jsonschema")
-    schema = json.loads((ROOT / "reports" / "schema.json").read_text())
+    schema = json.loads((ROOT / "streamsan" / "report" / "schema.json").read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)
 
@@ -172,9 +171,9 @@ def test_schema_rejects_a_wrong_version_and_a_missing_key():
     assert not v.is_valid(bad)
 
 
-def test_schema_symlink_is_relative():
-    link = ROOT / "reports" / "schema.json"
-    assert link.is_symlink() and os.readlink(link) == "../streamsan/report/schema.json"
+def test_the_schema_is_one_file_in_the_package():
+    found = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("schema.json") if ".git" not in p.parts)
+    assert found == ["streamsan/report/schema.json"]
 
 
 # ---------------------------------------------------------------- merge
@@ -205,8 +204,8 @@ def test_merge_of_reports_without_processes_synthesizes_entries():
 # ---------------------------------------------------------------- environment
 def test_environment_without_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # "not installed"
-    env = collect_environment(["python", "x.py"])
-    assert env["command"] == ["python", "x.py"]
+    env = collect_environment()
+    assert "command" not in env  # (the report has it once, as its own "command")
     assert env["python"].startswith(".".join(map(str, sys.version_info[:2])))
     assert env["nvidia_driver"] is None and env["gpus"] == []
     for key in ("streamsan", "platform", "torch", "cuda_runtime", "tracer", "cupy", "transformers"):
@@ -218,7 +217,7 @@ def test_environment_says_which_torch_tracer_runs(monkeypatch):
     from streamsan.report.environment import tracer_core
 
     monkeypatch.setenv("STREAMSAN_CORE", "python")
-    assert collect_environment([])["tracer"] == "python (STREAMSAN_CORE=python)"
+    assert collect_environment()["tracer"] == "python (STREAMSAN_CORE=python)"
     monkeypatch.delenv("STREAMSAN_CORE")
     try:
         from streamsan import _ctracer
@@ -250,7 +249,7 @@ def test_environment_reads_nvml(monkeypatch):
         nvmlSystemGetDriverVersion=lambda: b"580.65.06", nvmlDeviceGetCount=lambda: 2,
         nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetName=lambda h: ["NVIDIA H200", b"NVIDIA H100"][h])
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    env = collect_environment([])
+    env = collect_environment()
     assert env["nvidia_driver"] == "580.65.06" and env["gpus"] == ["NVIDIA H200", "NVIDIA H100"]
 
 
@@ -259,14 +258,14 @@ def test_environment_survives_a_failing_nvml(monkeypatch):
         raise RuntimeError("NVML Shared Library Not Found")
 
     monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=boom))
-    env = collect_environment([])
+    env = collect_environment()
     assert env["nvidia_driver"] is None and env["gpus"] == []
 
 
 def test_environment_reports_only_imported_cupy_and_transformers(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="5.17.0"))
     monkeypatch.delitem(sys.modules, "cupy", raising=False)
-    env = collect_environment([])
+    env = collect_environment()
     assert env["transformers"] == "5.17.0" and env["cupy"] is None
 
 

@@ -113,9 +113,10 @@ def test_verbose_shows_the_loggers_diagnostics(capsys, tmp_path, monkeypatch, re
     assert err == [
         "streamsan: debug: option format = 'text' from the default",
         "streamsan: debug: option fail_on_race = False from the default",
+        "streamsan: debug: option allow_incomplete = False from the default",
         f"streamsan: debug: option suppressions = '{supp}' from the command line",
         f"streamsan: debug: 1 suppression rules from {supp}",
-        f"streamsan: debug: {trace}: {len(S.pinned_d2h_then_h2d())} events, 1 findings",
+        f"streamsan: debug: {trace}: {len(S.pinned_d2h_then_h2d())} events, 1 finding",
     ]
 
 

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-import hooks.transformers as ht
+import streamsan.hooks.transformers as ht
 
 
 class FakeTracer:

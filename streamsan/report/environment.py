@@ -74,10 +74,11 @@ def tracer_core() -> str:
     return "c" if getattr(_ctracer, "AVAILABLE", 0) else "python (the C tracer needs Python 3.11 or later)"
 
 
-def collect_environment(command, import_missing: bool = True) -> dict:
+def collect_environment(import_missing: bool = True) -> dict:
     """streamsan, Python, platform, torch (+ its CUDA runtime), the torch tracer (:func:`tracer_core`), CuPy,
-    transformers, NVIDIA driver and GPUs, and the command line. Unknown values are None. ``import_missing=False``: report torch only if the
-    process imported it (a traced process at exit must not import what it never used)."""
+    transformers, NVIDIA driver and GPUs (the command line is the report's own ``command``). Unknown values are
+    None. ``import_missing=False``: report torch only if the process imported it (a traced process at exit must
+    not import what it never used)."""
     driver, gpus = _nvml()
     torch_version = _module_version("torch", import_if_available=import_missing)
     return {
@@ -91,18 +92,26 @@ def collect_environment(command, import_missing: bool = True) -> dict:
         "transformers": _module_version("transformers", import_if_available=False),
         "nvidia_driver": driver,
         "gpus": gpus,
-        "command": [str(c) for c in command],
     }
 
 
 def environment_rows(report: dict) -> list[tuple[str, str]]:
-    """(key, text) rows of a report's environment for renderers: lists joined, the command line included;
-    unknown values are ''."""
+    """(key, text) rows of a report's environment for renderers: lists joined, the command line included, an
+    entry that differs between merged processes listing their values; unknown values are ''."""
     env = dict(report.get("environment", {}))
     env.setdefault("command", report.get("command", []))
-    rows = []
-    for k, v in env.items():
-        if isinstance(v, list):
-            v = " ".join(map(str, v)) if k == "command" else ", ".join(map(str, v))
-        rows.append((k, "" if v in (None, "") else str(v)))
-    return rows
+    varying: dict[str, list] = {}
+    for p in report.get("processes", []):
+        for k, v in p.get("environment", {}).items():
+            varying.setdefault(k, []).append(v)
+        if not env["command"] and p.get("command"):
+            varying.setdefault("command", []).append(p["command"])
+    for k, values in varying.items():
+        env[k] = "varies by process: " + "; ".join(dict.fromkeys(_text_of(k, v) or "unknown" for v in values))
+    return [(k, _text_of(k, v)) for k, v in env.items()]
+
+
+def _text_of(key: str, value) -> str:
+    if isinstance(value, list):
+        value = " ".join(map(str, value)) if key == "command" else ", ".join(map(str, value))
+    return "" if value in (None, "") else str(value)

@@ -138,9 +138,11 @@ def _check(v, s: dict, path: str, root: dict) -> str | None:
     return None
 
 
-def check_writable(path: str, directory_ok: bool = False) -> None:
+def prepare_output(path: str, directory_ok: bool = False) -> None:
     """Fail early, before a long run, if an output file (or, ``directory_ok``, a directory of files) could not
-    be written at ``path``."""
+    be written at ``path``; creates the directories missing above it."""
+    if not path:
+        raise ReportError("an output path is empty (give a file name)")
     if os.path.isdir(path):
         if not directory_ok:
             raise ReportError(f"cannot write {path}: is a directory")
@@ -149,16 +151,28 @@ def check_writable(path: str, directory_ok: bool = False) -> None:
         return
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ReportError(f"cannot write {path}: directory {parent} does not exist")
+        above = parent
+        while not os.path.exists(above):
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            raise ReportError(f"cannot write {path}: {above} is not a directory")
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise ReportError(f"cannot write {path}: cannot create directory {parent} ({e.strerror})") from None
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ReportError(f"cannot write {path}: permission denied")
 
 
 def write_report(report: dict, path: str) -> None:
     """Write a report as indented JSON."""
+    write_text(json.dumps(report, indent=2) + "\n", path)
+
+
+def write_text(text: str, path: str) -> None:
+    """Write a rendered report to a file; ReportError (one line) if that fails."""
     try:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+            f.write(text)
     except OSError as e:
-        raise ReportError(f"cannot write {path}: {e.strerror}") from None
+        raise ReportError(f"cannot write {path}: {e.strerror or e}") from None

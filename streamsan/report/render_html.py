@@ -1,6 +1,8 @@
-"""A report as one self-contained HTML page (inline CSS and SVG, no external assets): the summary table, then
-each finding with its timeline picture, missing edge, fix and stacks, the suppressed findings, the notes and
-the environment. :func:`render_session_html` is the compact fragment a notebook shows for a Session."""
+"""A report as one self-contained HTML page (inline CSS and SVG, no external assets): the headline (never "no
+races found" for a report that is incomplete or checked nothing), the warnings, the summary table, then each
+finding with its timeline picture (at its own size, in a scrolling box), missing edge, fix and stacks, the
+suppressed findings, the notes and the environment. :func:`render_session_html` is the compact fragment a
+notebook shows for a Session, warnings included."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from html import escape
 from .advice import agent_text
 from .environment import environment_rows
 from .render_svg import render_svg
-from .render_text import action, memory_text, totals_text
+from .render_text import action, count_text, memory_text, totals_text
 from .timeline import picture
+from .verdict import PASSED, RACES_FOUND, headline, verdict
 
 CSS = """
 .ss{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;color:#111827;max-width:1100px}
@@ -22,7 +25,7 @@ CSS = """
 .ss th,.ss td{border:1px solid #e5e7eb;padding:4px 8px;text-align:left;vertical-align:top}
 .ss th{background:#f9fafb}.ss td.n{text-align:right}
 .ss .finding{border:1px solid #e5e7eb;border-left:4px solid #dc2626;border-radius:6px;padding:12px 16px;margin:16px 0}
-.ss .pic{overflow-x:auto;margin:8px 0 2px}.ss .legend{color:#6b7280;font-size:12px;margin:0 0 8px}
+.ss .pic{overflow-x:auto;margin:8px 0 2px}.ss .pic svg{max-width:none}.ss .legend{color:#6b7280;font-size:12px;margin:0 0 8px}
 .ss dl{display:grid;grid-template-columns:max-content 1fr;gap:3px 14px;margin:8px 0}
 .ss dt{font-weight:600;color:#374151}.ss dd{margin:0}
 .ss .warn{background:#fef3c7;border:1px solid #f59e0b;border-radius:4px;padding:6px 10px}
@@ -110,10 +113,17 @@ def _suppressed(report: dict) -> str:
 
 
 def _status(report: dict) -> str:
-    out = [f'<p{"" if report["races"] else " class=ok"}>{escape(totals_text(report))}</p>']
+    """The totals, then every reason not to read a report without races as a pass (incomplete, a warning
+    note such as "no CUDA device: nothing could be checked"), each as a warning box."""
+    v = verdict(report)
+    out = [f'<p{" class=ok" if v == PASSED else ""}>{escape(totals_text(report))}</p>']
     if not report.get("complete", True):
         out += [f'<p class="warn">Incomplete: {escape(p)}</p>' for p in report.get("problems") or
                 ["events may be missing"]]
+    out += [f'<p class="warn">Warning: {escape(n["text"])}</p>' for n in report.get("notes", [])
+            if n.get("level") == "warning"]
+    if v not in (PASSED, RACES_FOUND) and len(out) == 1:
+        out.append(f'<p class="warn">{escape(headline(report)[0].upper() + headline(report)[1:])}.</p>')
     return "".join(out)
 
 
@@ -124,14 +134,14 @@ def _environment(report: dict) -> str:
 
 
 def _title(report: dict) -> str:
-    n = report["summary"]["races"]
-    return f"streamsan: {n} CUDA stream race{'' if n == 1 else 's'} found" if n else "streamsan: no races found"
+    return f"streamsan: {headline(report)}"
 
 
 def render_html(report: dict) -> str:
     """The report as a complete HTML document."""
     races = report["races"]
-    notes = "".join(f"<li>{escape(n['level'])}: {escape(n['text'])}</li>" for n in report.get("notes", []))
+    notes = "".join(f"<li>{escape(n['level'])}: {escape(n['text'])}</li>" for n in report.get("notes", [])
+                    if n.get("level") != "warning")  # (warnings are said at the top)
     body = [f"<h1>{escape(_title(report))}</h1>", _status(report)]
     if races:
         body.append(_table(races, link=True))
@@ -146,12 +156,12 @@ def render_html(report: dict) -> str:
 
 def render_session_html(report: dict) -> str:
     """A compact fragment for a notebook: totals, the summary table, each finding's picture and fix."""
-    parts = [f"<style>{CSS}</style>", _status(report)]
+    parts = [f"<style>{CSS}</style>", f"<h2>{escape(_title(report))}</h2>", _status(report)]
     if report["races"]:
         parts.append(_table(report["races"], link=False))
     for i, r in enumerate(report["races"], 1):
         parts.append(f'<h2>{i}. {escape(r["kind"])} ×{r["count"]}</h2>{_picture(i, r)}'
                      f'<p><b>Fix:</b> {_code(r["fix"])}</p>')
     if report.get("suppressed"):
-        parts.append(f"<p>{len(report['suppressed'])} suppressed finding(s) not shown.</p>")
+        parts.append(f"<p>{count_text(len(report['suppressed']), 'suppressed finding')} not shown.</p>")
     return f'<div class="ss">{"".join(parts)}</div>'

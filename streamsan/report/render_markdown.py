@@ -14,6 +14,13 @@ def _code(s) -> str:
     return "`" + str(s).replace("`", "'") + "`"
 
 
+def _prose(text) -> str:
+    """A sentence with `code` spans (a fix, a missing edge): escaped like every other text, its code spans
+    kept as they are (Markdown shows them literally)."""
+    parts = str(text).split("`")
+    return "`".join(p if i % 2 else escape(p) for i, p in enumerate(parts))
+
+
 def _cell(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
@@ -83,8 +90,8 @@ def _finding(i: int, r: dict) -> list:
         reused = "the memory was really reused on this run" if alloc.get("reused") else "not reused on this run"
         lines.append(f"- **Earlier allocation:** {_site(alloc['previous_life'])}; {reused}")
     lines += [
-        f"- **Missing edge:** {r['missing_edge']}",
-        f"- **Fix:** {r['fix']}",
+        f"- **Missing edge:** {_prose(r['missing_edge'])}",
+        f"- **Fix:** {_prose(r['fix'])}",
         f"- **Occurrences:** {r['count']} · fingerprint {_code(r['fingerprint'])}",
     ]
     if r.get("tests"):

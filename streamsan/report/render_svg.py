@@ -46,7 +46,7 @@ def render_svg(pic: Picture, uid: str) -> str:
     width = LABEL_W + pic.columns * COL_W + 16
     height = TOP + len(pic.lanes) * LANE_H + 8
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="ss-timeline" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" style="max-width:100%;height:auto" role="img" '
+           f'viewBox="0 0 {width} {height}" role="img" '
            'aria-label="timeline of the two racing operations">',
            "<defs>"]
     for name, color in (("a", EDGE), ("m", MISSING)):

@@ -5,6 +5,11 @@ from __future__ import annotations
 from .advice import agent_text
 
 
+def count_text(n: int, noun: str) -> str:
+    """``1 event``, ``2 events``: a count and its noun, singular or plural."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def memory_text(m: dict) -> str:
     """``pinned-host memory 0x1000-0x2000 (4096 bytes, cache.layers[3].keys, bfloat16[1, 8])``."""
     where = "pinned-host memory" if m["space"] == "pinned-host" else f"device memory (cuda:{m['device']})"
@@ -44,7 +49,8 @@ def suppressed_text(r: dict) -> str:
 
 def totals_text(report: dict) -> str:
     s = report["summary"]
-    scope = f"{s['events']} events, {s['ops']} stream ops, {s['streams']} streams"
+    scope = ", ".join((count_text(s["events"], "event"), count_text(s["ops"], "stream op"),
+                       count_text(s["streams"], "stream")))
     if s.get("processes", 0) > 1:
         scope += f", {s['processes']} processes"
     if s.get("suppressed"):
@@ -52,8 +58,8 @@ def totals_text(report: dict) -> str:
     if not s["races"]:
         return f"streamsan: no races found ({scope})."
     kinds = ", ".join(f"{n} {k}" for k, n in s["by_kind"].items() if n)
-    plural = "race" if s["races"] == 1 else "races"
-    return f"streamsan: {s['races']} {plural} found, {s['occurrences']} occurrences ({kinds}; {scope})."
+    return (f"streamsan: {count_text(s['races'], 'race')} found, {count_text(s['occurrences'], 'occurrence')} "
+            f"({kinds}; {scope}).")
 
 
 def render_text(report: dict) -> str:
