@@ -123,16 +123,20 @@ class Run(NamedTuple):
     ops: list  # the recorder's
 
 
-def observe(fn, *args, frames: int = FRAMES) -> Run:
-    """Run fn(*args) under the recorder and the observer (started above it); what each saw."""
+def observe(fn, *args, frames: int = FRAMES, recorder_above: bool = False) -> Run:
+    """Run fn(*args) under the recorder and the observer (started above it; below it with ``recorder_above``);
+    what each saw."""
     module, reason = observer.load()
     assert module is not None, reason
     dec = observer.decoder()
     observer.drain()  # (what an earlier run left)
     rec = Recorder(module.sequence)
+    if recorder_above:
+        observer.start(frames)
     rec.__enter__()
     try:
-        observer.start(frames)
+        if not recorder_above:
+            observer.start(frames)
         try:
             fn(*args)
         finally:
@@ -198,14 +202,15 @@ class Comparison(NamedTuple):
     problems: list
 
 
-def compare(run: Run, check_streams: bool = False) -> Comparison:
+def compare(run: Run, check_streams: bool = False, sites: bool = True, seqs: bool = True) -> Comparison:
     """The observer's records against the recorder's ops, thread by thread, in order.
 
     With a mode on the stack, TensorImpl::shallow_copy_and_detach (autograd saving an op's output, ``.data``)
     hands the mode an ``aten::detach`` through the PyInterpreter, with no dispatcher call: RecordFunction never
     sees it, and without a mode there is no such op. Such detaches of the mode's are counted apart (the torch
     tracer takes ``detach`` for no access), and so are the dispatcher calls the recorder's own handler makes for
-    them (the observer sees those, where no op of its own is open)."""
+    them (the observer sees those, where no op of its own is open). ``sites=False`` leaves call sites out,
+    ``seqs=False`` the check that each mode op falls in its record's span."""
     codes = {}
     for site in [r.site for r in run.records] + [m.site for m in run.ops]:
         for c, _ in site:
@@ -234,12 +239,12 @@ def compare(run: Run, check_streams: bool = False) -> Comparison:
                 if exact:
                     problems.append(f"{where}: seq {r.seq}: observer {record_key(r)} != mode {op_key(m)}")
                 ok = False
-            elif not site_matches(_ids(r.site), _ids(m.site), codes):
+            elif sites and not site_matches(_ids(r.site), _ids(m.site), codes):
                 if exact:
                     problems.append(f"{where}: {r.name} (seq {r.seq}): call site {_show_site(r.site)} != the "
                                     f"mode's {_show_site(m.site)}")
                 ok = False
-            elif not r.seq < m.seq <= r.end:
+            elif seqs and not r.seq < m.seq <= r.end:
                 if exact:
                     problems.append(f"{where}: {r.name} at seq {r.seq}..{r.end}, the mode's at {m.seq}")
                 ok = False
@@ -262,7 +267,8 @@ def compare(run: Run, check_streams: bool = False) -> Comparison:
 
     threads = sorted({r.thread for r in run.records} | {m.thread for m in run.ops})
     for thread in threads:
-        recs = [r for r in run.records if r.thread == thread and not any(c is _HANDLER for c, _ in r.site)]
+        recs = [r for r in run.records
+                if r.thread == thread and not (r.parent == 0 and any(c is _HANDLER for c, _ in r.site))]
         ops = [m for m in run.ops if m.thread == thread]
         kids: dict[int, list] = {}
         for r in recs:

@@ -139,6 +139,16 @@ def test_autocast_marks_cover_every_op_whose_record_differs(native):
     assert c.children_equal  # the ops inside each mark, as the mode sees them: its children
 
 
+def test_a_mode_pushed_after_start_takes_the_ops_first(native):
+    """The recorder above the observed mode: each op it is handed is marked, and the calls its handler passes on
+    (which the observed mode, below it, would be handed) are the mark's children."""
+    r = observe(model_step, *inputs(), recorder_above=True)
+    c = compare(r, sites=False, seqs=False)  # (the children: the calls the recorder's handler makes, after it)
+    assert not c.problems, "\n".join(c.problems[:20])
+    assert c.exact == 0 and c.marked and all(flags & records.MODE_ABOVE for _, flags in c.marked)
+    assert c.children_equal and c.covered == len(r.ops)
+
+
 def test_backward(native):
     def run():
         loss = model_step(*inputs())

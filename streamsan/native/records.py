@@ -7,6 +7,7 @@ into :class:`Record` and :class:`Event` tuples in sequence order. ``LAYOUT`` mus
 
 from __future__ import annotations
 
+import gc
 import struct
 from typing import NamedTuple
 
@@ -104,6 +105,16 @@ class Decoder:
             self.sites[site_id] = frames
 
     def decode(self, drained) -> tuple[list[Record], list[Event]]:
+        # (the cyclic collector would scan the growing lists again and again: nothing made here has a cycle)
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._decode(drained)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _decode(self, drained):
         records_raw, tensors_raw, dims_raw, events_raw, ops, sites = drained
         self._learn(ops, sites)
         dims = struct.unpack(f"<{len(dims_raw) // 8}q", dims_raw)
