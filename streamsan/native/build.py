@@ -141,4 +141,5 @@ def _one_line(exc: BaseException) -> str:
         break
     else:
         text = type(exc).__name__
+    text = text.rstrip(".")
     return text if len(text) <= 200 else text[:197] + "..."

@@ -657,11 +657,18 @@ void begin(ThreadState* ts, const at::RecordFunction& fn, OpInfo* op, Kind kind,
   o.dims_from = static_cast<uint32_t>(ts->dims.size());
   o.stream_device_type = -1;
   o.stream_device_index = -1;
-  auto inputs = fn.inputs();
-  for (size_t i = 0; i < inputs.size(); i++) add_tensors(ts, inputs[i], static_cast<int>(i));
-  o.n_inputs = static_cast<uint16_t>(ts->tensors.size() - o.tensors_from);
-  stream_of(ts, o.tensors_from, ts->tensors.size(), o);
-  o.site = site_of(ts);
+  try {
+    auto inputs = fn.inputs();
+    for (size_t i = 0; i < inputs.size(); i++) add_tensors(ts, inputs[i], static_cast<int>(i));
+    o.n_inputs = static_cast<uint16_t>(ts->tensors.size() - o.tensors_from);
+    stream_of(ts, o.tensors_from, ts->tensors.size(), o);
+    o.site = site_of(ts);
+    ts->stack.reserve(ts->stack.size() + 1);
+  } catch (...) {
+    ts->tensors.resize(o.tensors_from);
+    ts->dims.resize(o.dims_from);
+    throw;
+  }
   if (kind == K_VISIBLE) {
     ts->visible = static_cast<int>(ts->stack.size());
   } else {
@@ -728,7 +735,13 @@ void finish(ThreadState* ts, Open& o, const at::RecordFunction& fn) {
     ts->parent = o.outer_parent;
   }
   const auto& outputs = fn.outputs();
-  for (size_t k = 0; k < outputs.size(); k++) add_tensors(ts, outputs[k], -1 - static_cast<int>(k));
+  try {
+    for (size_t k = 0; k < outputs.size(); k++) add_tensors(ts, outputs[k], -1 - static_cast<int>(k));
+  } catch (...) {  // (the record goes, the open ones below it stay whole)
+    ts->tensors.resize(o.tensors_from);
+    ts->dims.resize(o.dims_from);
+    throw;
+  }
   if (outputs.size() != o.op->num_returns) o.flags |= F_NO_OUTPUTS;
   size_t to = ts->tensors.size();
   if (o.stream_device_type < 0) stream_of(ts, o.tensors_from, to, o);

@@ -12,6 +12,7 @@ interpreter registered keeps for good: false (and the caller keeps PyTorch's Pyt
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 
@@ -21,6 +22,7 @@ from .build import load_extension
 DEFAULT_FRAMES = 25  # the innermost frame and 24 outside it: as far as the stack table's key looks
 _loaded: tuple | None = None
 _lock = threading.Lock()
+_exit_hook = False
 
 
 def load():
@@ -47,7 +49,12 @@ def start(frames: int = DEFAULT_FRAMES) -> None:
     """Observe from now on: the calling thread is armed; call sites keep up to ``frames`` Python frames (0: none).
     Dispatch modes already pushed on this thread are below the observed mode; those pushed later are above it
     (their ops are marked ``MODE_ABOVE``)."""
-    _module().start(frames)
+    global _exit_hook
+    module = _module()
+    if not _exit_hook:  # (no op is observed while the interpreter shuts down)
+        atexit.register(module.stop)
+        _exit_hook = True
+    module.start(frames)
 
 
 def stop() -> None:
