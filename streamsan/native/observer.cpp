@@ -5,11 +5,13 @@
  * autograd engine and at::launch restore it on their threads; a new Python thread is armed by arm_thread()). It
  * fires at every Dispatcher::call / callBoxed, and keeps one record for each call that a mode pushed at start()
  * would be handed, by replaying the dispatcher's key walk from the call's tensors and the thread's included and
- * excluded keys (see `walk`): a call whose walk reaches the Python key is the mode's, and hides the calls
- * nested in it; one that a CompositeImplicitAutograd kernel takes first (outside inference mode) is not recorded,
- * its parts are; one that an autocast kernel, a transform (functorch, functionalization, JIT tracing, the Python
- * dispatcher, lazy conjugation) or a mode pushed after start() takes first is recorded marked as not the mode's
- * view, and the calls inside it are recorded as its children under the same rule.
+ * excluded keys (see `walk`): a call whose walk reaches the Python key is the mode's; the calls made below it (in
+ * the mode's own handling) are hidden, those its autograd kernel makes around passing it on are ops of their own.
+ * A call that a kernel above the Python key takes for good (CompositeImplicitAutograd outside inference mode, a
+ * hand-written kernel that does not pass it on) is not recorded, the calls it makes are candidates. One that an
+ * autocast kernel, a transform (functorch, functionalization, JIT tracing, the Python dispatcher, lazy
+ * conjugation) or a mode pushed after start() takes first is recorded, marked as not the mode's view, and the calls
+ * inside it are recorded as its children under the same rule.
  * A record holds: sequence number, thread (threading.get_ident()), op, flags, each tensor argument's and output's
  * storage pointer, byte offset, sizes, strides, dtype and device (copied: nothing is kept alive), the current
  * stream of the op's device, and a call site: the innermost Python frames' (code, instruction offset), interned.
