@@ -109,6 +109,7 @@ def test_the_plan_layouts_are_the_plans_own():
         {"position": 0, "name": "self", "is_write": True, "is_list": False},
         {"position": 1, "name": "other", "is_write": False, "is_list": False}]
 
+
 def test_the_current_op_layout_is_the_dispatchs_own(monkeypatch):
     from streamsan.tracers.torch import device
 

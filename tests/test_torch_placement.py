@@ -223,7 +223,7 @@ def test_a_host_ops_events_stay_apart_from_another_threads(monkeypatch):
     out, a, evs, mark = run_inside(tracer, lambda: _other_thread_reuses(tracer), (), {}, -1, 0)
     assert a == E.HOST
     tracer.place(evs, mark, (E.OP, a, "aten::_pin_memory", (), ((E.PINNED, 0x9000, 64),), 0, 0, 0), None,
-                  pre=[(E.ALLOC, E.PINNED, 0x9000, 64, E.HOST, 0, 0, "")])
+                 pre=[(E.ALLOC, E.PINNED, 0x9000, 64, E.HOST, 0, 0, "")])
     commit(tracer, evs)
     tracer.buffer.flush()
     assert _in_order(got) == OTHER_THREAD + [(E.ALLOC, 0x9000), (E.OP, "aten::_pin_memory")]

@@ -1,5 +1,5 @@
 """Where op schemas do not say what a kernel touches, checked against PyTorch's own knowledge, so that a new
-torch's ops cannot slip past the tracer's lists (``streamsan/tracers/torch.py``: ``SCHEMA_HIDES``,
+torch's ops cannot slip past the tracer's lists (``streamsan/tracers/torch/rules.py``: ``SCHEMA_HIDES``,
 ``STATISTICS_WRITES``, ``NO_ACCESS``). CPU only."""
 
 import warnings

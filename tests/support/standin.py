@@ -25,16 +25,13 @@ from streamsan.tracers.torch.callbacks import GpuTrace
 from streamsan.tracers.torch.dispatch import TracingMode
 from streamsan.tracers.torch.tracer import TorchTracer
 
-STREAM = 7  # the raw stream handle of the stand-in's one stream
-
-
 @contextlib.contextmanager
 def cpu_as_cuda():
     """CPU tensors are device tensors of device 0 (their ``get_device()`` says -1) on stream 7, for the tracer and
     its C core, inside the block."""
     saved = device.ATTR, device.OFFSET, device.raw_stream, device.current
     device.ATTR, device.OFFSET = "is_cpu", 1
-    device.raw_stream, device.current = (lambda dev: STREAM), (lambda: 0)
+    device.raw_stream, device.current = (lambda dev: 7), (lambda: 0)  # (the stand-in's one stream: handle 7)
     try:
         ccore.configured()
         yield

@@ -182,6 +182,7 @@ def dispatch(tracer, func, args, kwargs, plan=None):
     cpu = cpu_r = None
     cpu_written = False
     rng = range_in
+    attr, offset, raw_stream = device.ATTR, device.OFFSET, device.raw_stream  # (read once per op)
     nargs = len(args)
     targs = plan.tensor_args
     if plan.training_args is not None:
@@ -198,8 +199,8 @@ def dispatch(tracer, func, args, kwargs, plan=None):
             for t in v:
                 if t is None:
                     continue
-                if getattr(t, device.ATTR):
-                    dev = t.get_device() + device.OFFSET
+                if getattr(t, attr):
+                    dev = t.get_device() + offset
                     r = rng(tracer, t, dev)
                 elif t.is_cpu and tracer.pinned:
                     r = rng(tracer, t, E.PINNED)
@@ -212,8 +213,8 @@ def dispatch(tracer, func, args, kwargs, plan=None):
             continue
         if not isinstance(v, _Tensor):
             continue
-        if getattr(v, device.ATTR):
-            d = v.get_device() + device.OFFSET
+        if getattr(v, attr):
+            d = v.get_device() + offset
             if dev < 0 or (plan.is_copy and not is_write):
                 dev = d
             try:  # the common case, contiguous, inline; everything else in range_in
@@ -249,7 +250,7 @@ def dispatch(tracer, func, args, kwargs, plan=None):
     if plan.is_copy and cpu is not None:
         flags = _copy_flags(tracer, cpu, cpu_written, args, kwargs)
     if dev >= 0:
-        a = tracer.agent_of.get((dev, device.raw_stream(dev))) or tracer.agent(dev, device.raw_stream(dev))
+        a = tracer.agent_of.get((dev, raw_stream(dev))) or tracer.agent(dev, raw_stream(dev))
         stack = tracer.stacks.outside(evs)
         me = _get_ident()
         mine = tracer.op_agent = tracer.buffer.ops_of_threads[me] = (dev, a, stack, ctx, me, OpEvents())
@@ -277,14 +278,14 @@ def dispatch(tracer, func, args, kwargs, plan=None):
                     return out
                 evs.append(host_access(tracer.staged, plan.name, reads, writes, tracer.stacks.capture(evs, 2), ctx))
                 return out
-            a = tracer.agent(dev, device.raw_stream(dev))  # e.g. an H2D copy or a factory with device=cuda
+            a = tracer.agent(dev, raw_stream(dev))  # e.g. an H2D copy or a factory with device=cuda
             stack = tracer.stacks.outside(evs)
-        if out.__class__ is _Tensor and getattr(out, device.ATTR):  # the common case, one plain tensor, inline
+        if out.__class__ is _Tensor and getattr(out, attr):  # the common case, one plain tensor, inline
             try:
                 n = out.nbytes
                 if n and out.is_contiguous():
                     single = out.data_ptr()
-                    writes.append((out.get_device() + device.OFFSET, single, n))
+                    writes.append((out.get_device() + offset, single, n))
                 else:
                     output_ranges(tracer, out, writes)
             except RuntimeError:
@@ -301,9 +302,9 @@ def dispatch(tracer, func, args, kwargs, plan=None):
         values_after(tracer, plan, args, kwargs, out, () if plan.is_copy and cpu is not None else reads, writes)
     if cpu is not None and plan.is_copy and not cpu_written:  # a copy from the host: index values seen
         dst = out if plan.fresh_outputs else args[0] if args else kwargs.get("self")
-        if isinstance(dst, _Tensor) and getattr(dst, device.ATTR):
+        if isinstance(dst, _Tensor) and getattr(dst, attr):
             known.learn_copy(dst, cpu)
-    elif plan.arange and getattr(out, device.ATTR):
+    elif plan.arange and getattr(out, attr):
         known.learn_arange(out, args, kwargs)
     op = (_OP, a, plan.name, tuple(reads), tuple(writes), stack, ctx, flags)
     inner = len(evs) - mark

@@ -77,7 +77,7 @@ def learn_pinned(tracer, plan, args, kwargs) -> None:
 def known_pinned_block(tracer, t) -> bool:
     """Whether a pinning op's CPU output is pinned. PyTorch's host allocator hands the same cached blocks out
     again and again, so a block already seen pinned at this address with this size needs no ``is_pinned()``
-    query (about 5 us on an H200 host)."""
+    query (a call into the CUDA driver, costly per op)."""
     st = t.untyped_storage()
     if tracer.pinned.get(st.data_ptr()) == st.nbytes():
         return True
