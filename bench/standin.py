@@ -1,14 +1,18 @@
 """A CPU stand-in for the GPU decode benchmark: the real torch tracer, with CPU tensors playing CUDA's part.
 
-    python bench/standin.py                       # best-of-N times: plain, floor, trace (no GPU needed)
-    valgrind --tool=callgrind --instr-atstart=no python bench/standin.py --count trace
+    python bench/standin.py [--offloading]        # best-of-N times: plain, floor, trace (no GPU needed)
+    valgrind --tool=callgrind --instr-atstart=no python bench/standin.py --count trace [--offloading]
 
 The tracer runs on the stand-in of ``tests/support/standin.py`` (CPU tensors count as CUDA tensors of device 0,
 through the tracer's device configuration), and a random tiny Qwen3 decodes on the CPU under it. Each fresh output
 is announced as an allocation through PyTorch's GPU trace registries, as CUDA's allocator would, and freed 8 ops
 later, between ops. Shared hosts make timings noisy; ``--count MODE`` instead runs one decode with callgrind's
 instrumentation switched on (``callgrind_control``), so that the instruction counts of two versions or modes can be
-compared exactly. Modes: those of ``support.standin.StandIn``.
+compared exactly. Modes: those of ``support.standin.StandIn``. ``--offloading`` decodes with a cache that does what
+transformers' ``DynamicCache(offloading=True)`` does at each layer, on two stand-in streams: the default stream waits
+for the prefetch stream (an event record and wait through the GPU trace registries), the next layer is copied on the
+prefetch stream, the layer is updated and then copied on the default stream (the offload), so the event callbacks,
+stream switches and cross-stream copies and frees of that workload are counted too.
 """
 
 from __future__ import annotations
@@ -25,10 +29,33 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch  # noqa: E402
 
-from support.standin import StandIn  # noqa: E402
+import torch.cuda._gpu_trace as gt  # noqa: E402
+
+from support.standin import CURRENT_STREAM, StandIn  # noqa: E402
 
 
-def decode_loop(steps: int = 16):
+class StandInStream:
+    """A stream of the stand-in: its raw handle is current inside ``with``; ``wait_stream`` fires the event record
+    and wait that CUDA's would."""
+
+    last_event = 1000
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __enter__(self):
+        self.previous, CURRENT_STREAM[0] = CURRENT_STREAM[0], self.handle
+
+    def __exit__(self, *exc):
+        CURRENT_STREAM[0] = self.previous
+
+    def wait_stream(self, other: StandInStream) -> None:
+        StandInStream.last_event += 1
+        gt.EventRecordCallbacks.fire_callbacks(StandInStream.last_event, other.handle)
+        gt.EventWaitCallbacks.fire_callbacks(StandInStream.last_event, self.handle)
+
+
+def decode_loop(steps: int = 16, offloading: bool = False):
     from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
@@ -36,10 +63,28 @@ def decode_loop(steps: int = 16):
     model = Qwen3ForCausalLM(cfg).eval()
     model.config._attn_implementation = "sdpa"
     ids = torch.randint(0, 32000, (1, 16))
+    default, prefetch = StandInStream(7), StandInStream(9)
+
+    class OffloadingCache(DynamicCache):
+        """The order of work of ``DynamicCache(offloading=True)``'s update, with copies on stand-in streams."""
+
+        def update(self, keys, values, layer_idx, *args, **kwargs):
+            default.wait_stream(prefetch)
+            following = (layer_idx + 1) % cfg.num_hidden_layers
+            if following < len(self.layers) and self.layers[following].is_initialized:
+                with prefetch:
+                    layer = self.layers[following]
+                    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+            keys, values = super().update(keys, values, layer_idx, *args, **kwargs)
+            layer = self.layers[layer_idx]
+            layer.keys, layer.values = keys.clone(), values.clone()
+            return keys, values
+
+    cache_class = OffloadingCache if offloading else DynamicCache
 
     @torch.no_grad()
     def run():
-        cache = DynamicCache(config=model.config)
+        cache = cache_class(config=model.config)
         tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(steps):
             tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
@@ -50,10 +95,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--count", metavar="MODE", help="one decode under MODE with callgrind's instrumentation on")
     p.add_argument("--runs", type=int, default=12)
+    p.add_argument("--offloading", action="store_true", help="decode with the offloading cache's order of work")
     a = p.parse_args()
     torch.set_num_threads(1)
     with StandIn() as standin:
-        measure(standin.enter, decode_loop(), a)
+        measure(standin.enter, decode_loop(offloading=a.offloading), a)
 
 
 def measure(enter, run, a) -> None:

@@ -1,7 +1,8 @@
 """A CPU stand-in for the GPU: the real torch tracer, with CPU tensors playing CUDA's part.
 
 :func:`cpu_as_cuda` sets the tracer's device configuration (:mod:`streamsan.tracers.torch.device`, which the C core
-gets at ``configure``) so that CPU tensors count as tensors of device 0, on stream 7, and puts it back after.
+gets at ``configure``) so that CPU tensors count as tensors of device 0, on stream 7
+(or the handle a program puts in :data:`CURRENT_STREAM`), and puts it back after.
 :class:`StandIn` runs programs under the tracer's dispatch mode (with its C core where built) on top of that: each
 fresh output is announced as an allocation through PyTorch's GPU trace registries, as CUDA's allocator would, and
 freed 8 ops later, between ops. ``tests/test_ctracer.py`` compares the C core and the Python path on it, and
@@ -25,13 +26,16 @@ from streamsan.tracers.torch.callbacks import GpuTrace
 from streamsan.tracers.torch.dispatch import TracingMode
 from streamsan.tracers.torch.tracer import TorchTracer
 
+CURRENT_STREAM = [7]  # the raw handle of the stand-in's current stream (7, the default, unless a program switches)
+
+
 @contextlib.contextmanager
 def cpu_as_cuda():
     """CPU tensors are device tensors of device 0 (their ``get_device()`` says -1) on stream 7, for the tracer and
     its C core, inside the block."""
     saved = device.ATTR, device.OFFSET, device.raw_stream, device.current
     device.ATTR, device.OFFSET = "is_cpu", 1
-    device.raw_stream, device.current = (lambda dev: 7), (lambda: 0)  # (the stand-in's one stream: handle 7)
+    device.raw_stream, device.current = (lambda dev: CURRENT_STREAM[0]), (lambda: 0)
     try:
         ccore.configured()
         yield
