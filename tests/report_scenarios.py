@@ -1,5 +1,5 @@
 """Hand-made event sequences, one per finding kind, shaped after the transformers offloaded-cache bug
-(DESIGN.md §1). Shared by the report, renderer and CLI tests.
+(DynamicCache(offloading=True) in transformers 5.17). Shared by the report, renderer and CLI tests.
 
 Agents: 1 = the default stream (handle 0, role "default"), 2 = prefetch_stream, 3 = an unnamed side stream.
 """

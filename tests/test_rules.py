@@ -1,4 +1,4 @@
-"""One test per rule of DESIGN §2-3 and docs/semantics.md: small hand-built event sequences fed to the analyzer,
+"""One test per rule of docs/semantics.md: small hand-built event sequences fed to the analyzer,
 with the exact expected findings (kind, agents, op names, byte range, count) or their exact absence.
 
 Conventions: streams A=1, B=2, C=3 (device 0, non-blocking) unless a test declares others; device memory at
@@ -273,7 +273,7 @@ def test_host_write_after_enqueued_read_and_sync_no_race():
 
 
 def test_d2h_then_h2d_on_unsynchronized_streams_races():
-    # DESIGN §1, the offloading cache: offload() D2H on the default stream, prefetch() H2D from the same pinned
+    # The offloading cache of transformers 5.17: offload() D2H on the default stream, prefetch() H2D from the same pinned
     # buffer on the prefetch stream, which never waited for the default stream.
     one(pinned2() + [op(A, "offload_copy_", writes=[P(0, 1 * KB)]), op(B, "prefetch_copy_", reads=[P(0, 1 * KB)])],
         DEVICE_DEVICE, (A, "offload_copy_"), (B, "prefetch_copy_"), PIN, PIN + 1 * KB, space=PINNED)

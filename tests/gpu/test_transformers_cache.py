@@ -1,4 +1,4 @@
-"""The offloaded-cache race of DESIGN §1, end to end through `streamsan wrap`, on a GPU with transformers 5.x.
+"""The offloaded-cache race of transformers 5.17 (DynamicCache(offloading=True)), end to end through `streamsan wrap`, on a GPU with transformers 5.x.
 
 Expected line numbers are read from the installed transformers source, so the test names the exact code
 locations without hard-coding one release's numbering.

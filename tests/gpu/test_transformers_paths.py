@@ -2,7 +2,7 @@
 downloaded): what streamsan must report on each, derived from the installed transformers source.
 
 Most paths are correct library code and must come out clean; a report there is a false one. The offloaded caches
-(``cache_implementation="offloaded"`` / ``"offloaded_static"``) have the two hazards of DESIGN §1: the prefetch
+(``cache_implementation="offloaded"`` / ``"offloaded_static"``) have the two hazards of the offloaded cache: the prefetch
 stream never waits for the default stream's device-to-host offload copy into pinned memory before its host-to-device
 copy reads it back (``Cache.update`` only makes the default stream wait for the prefetch stream), and the prefetched
 tensors, allocated on the prefetch stream and used on the default stream, are dropped without ``record_stream``. The
