@@ -63,7 +63,7 @@ def host_range(tracer, arr, query=False, known=False):
         while isinstance(getattr(base, "base", None), tracer._numpy.ndarray):
             base = base.base
         bptr = base.__array_interface__["data"][0]
-        tracer.pinned_blocks.register(bptr, base.nbytes)
+        tracer.pinned_blocks[bptr] = base.nbytes
         tracer._sink().append((E.ALLOC, E.PINNED, bptr, base.nbytes, E.HOST, 0, tracer.ctx,
                                f"pinned {describe(base)}"))
     return strided_range(E.PINNED, ptr, arr.shape, arr.strides, arr.itemsize)

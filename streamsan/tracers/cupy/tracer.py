@@ -18,12 +18,14 @@ from ... import events as E
 from ...agents import StreamRegistry
 from ...imports import when_imported
 from ...stacks import StackTable
+from ..notes import Notes, warning
+from ..pinned import PinnedBlocks
 from ..pinned_numpy import attach, detach, pinned_types
-from ..staging import PinnedStaging
+from ..staging import PinnedStaging, host_access, refill_op
 from . import active
 from .patches import (arrays, copies, device, events, graphs, kernels, memory, namespaces, pinned,
                       runtime_copies, runtime_streams, streams)
-from .placement import PinnedBlocks, Placement
+from .placement import place
 from .ranges import array_address, host_range
 
 # The order in which start() installs the patches (stop() undoes them in reverse).
@@ -33,7 +35,7 @@ PATCHES = (streams, events, graphs, device, memory, pinned, arrays, copies, kern
 MAX_FRESH_STREAMS = 256  # new streams that get a new agent even if their handle was used before (bounds agent ids)
 
 
-class CupyTracer(Placement):
+class CupyTracer:
     """Feeds events about the CuPy program into ``buffer`` (a :class:`streamsan.sink.EventBuffer`).
 
     ``streams`` / ``stacks``: the session's shared stream registry and stack table. ``scope="hooks"`` traces
@@ -49,7 +51,7 @@ class CupyTracer(Placement):
         self.ctx = 0
         self.running = False
         self.saw_cuda = False
-        self.problems: list[str] = []
+        self.noted = Notes()  # the notes left so far, keyed by their text
         self.live: dict = {}  # (device, ptr) -> size of pool blocks allocated while tracing
         self.pinned_blocks = PinnedBlocks()
         self.staged = PinnedStaging(array_address)  # pinned NumPy arrays' bytes as asynchronous copies read them
@@ -87,6 +89,11 @@ class CupyTracer(Placement):
 
     def _trouble(self, text: str) -> None:
         self._note_once(f"CuPy tracer: {text}")
+
+    def _note_once(self, text: str) -> None:
+        """A warning note in the report, the first time ``text`` is given."""
+        if self.noted.first(text, text):
+            self._sink().append(warning(text))
 
     def stop(self) -> None:
         if not self.running:
@@ -185,6 +192,31 @@ class CupyTracer(Placement):
             start, size = blk if blk is not None else (r[1], r[2])
             self._sink().append((E.LABEL, E.PINNED, start, size, text))
 
+    # ------------------------------------------------------------------ pinned NumPy arrays (.pinned_numpy)
+    def pinned_range(self, arr):
+        """The PINNED range of a NumPy array over a pinned block this tracer knows."""
+        if not arr.size or self.pinned_blocks.find(array_address(arr)) is None:
+            return None
+        return host_range(self, arr, known=True)
+
+    def host_op(self, name, reads, writes) -> None:
+        """A host access through a pinned NumPy view, when it happens (ignored inside traced CuPy calls)."""
+        if not self.running or getattr(self._tl, "depth", 0) or not (reads or writes) or not self._ops_on():
+            return
+        evs = self.buffer.events
+        evs.append(host_access(self.staged, name, reads, writes, self.stacks.capture(evs, 3), self.ctx))
+
+    def _staged_write(self, arr, r, pre) -> None:
+        """An asynchronous copy reads ``r`` out of a pinned NumPy array: the host's writes to it that no traced
+        call showed since the previous such copy from there (:mod:`streamsan.tracers.staging`), as a host write
+        appended to ``pre``."""
+        root = arr
+        while isinstance(getattr(root, "base", None), self._numpy.ndarray):
+            root = root.base
+        written = self.staged.check(r, array_address(root), root, arr.itemsize)
+        if written is not None:
+            pre.append(refill_op(written, self._cur_stack(), self.ctx))
+
     # ------------------------------------------------------------------ emission
     def _emit(self, ev) -> None:
         self._sink().append(ev)
@@ -237,7 +269,7 @@ class CupyTracer(Placement):
             if self.capturing and agent in self.capturing:
                 res = None  # captured into a graph: it does not run now
             if pre or (res is not None and (res[0] or res[1] or res[2])):
-                self._place(inner, agent, name, res, self._cur_stack(), pre)
+                place(self, inner, agent, name, res, self._cur_stack(), pre)
         finally:
             tl.inner = None
             tl.stack = 0
@@ -267,7 +299,7 @@ class CupyTracer(Placement):
     def _on_pinned(self, ptr: int, size: int) -> None:
         if not self.running or not ptr or size <= 0:
             return
-        self.pinned_blocks.register(ptr, size)
+        self.pinned_blocks[ptr] = size
         if self.staged.kept:
             self.staged.forget(((E.PINNED, ptr, size),))
         self._sink().append((E.ALLOC, E.PINNED, ptr, size, E.HOST, self._stack(3), self.ctx,
