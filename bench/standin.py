@@ -1,6 +1,6 @@
 """A CPU stand-in for the GPU decode benchmark: the real torch tracer, with CPU tensors playing CUDA's part.
 
-    python bench/standin.py [--offloading]        # best-of-N times: plain, floor, trace (no GPU needed)
+    python bench/standin.py [--offloading] [--slot native|python]  # best-of-N times: plain, floor, trace
     valgrind --tool=callgrind --instr-atstart=no python bench/standin.py --count trace [--offloading]
 
 The tracer runs on the stand-in of ``tests/support/standin.py`` (CPU tensors count as CUDA tensors of device 0,
@@ -12,7 +12,9 @@ compared exactly. Modes: those of ``support.standin.StandIn``. ``--offloading`` 
 transformers' ``DynamicCache(offloading=True)`` does at each layer, on two stand-in streams: the default stream waits
 for the prefetch stream (an event record and wait through the GPU trace registries), the next layer is copied on the
 prefetch stream, the layer is updated and then copied on the default stream (the offload), so the event callbacks,
-stream switches and cross-stream copies and frees of that workload are counted too.
+stream switches and cross-stream copies and frees of that workload are counted too. ``--slot`` fires the events
+through PyTorch's GPU-trace slot instead, as CUDA code does, held by the native observer or by PyTorch's own
+interpreter, so the two carriers' costs can be compared.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch  # noqa: E402
 
 import torch.cuda._gpu_trace as gt  # noqa: E402
 
-from support.standin import CURRENT_STREAM, StandIn  # noqa: E402
+from support.standin import CURRENT_STREAM, StandIn, fire, through_slot  # noqa: E402
 
 
 class StandInStream:
@@ -51,8 +53,8 @@ class StandInStream:
 
     def wait_stream(self, other: StandInStream) -> None:
         StandInStream.last_event += 1
-        gt.EventRecordCallbacks.fire_callbacks(StandInStream.last_event, other.handle)
-        gt.EventWaitCallbacks.fire_callbacks(StandInStream.last_event, self.handle)
+        fire("record", StandInStream.last_event, other.handle)
+        fire("wait", StandInStream.last_event, self.handle)
 
 
 def decode_loop(steps: int = 16, offloading: bool = False):
@@ -96,8 +98,15 @@ def main() -> None:
     p.add_argument("--count", metavar="MODE", help="one decode under MODE with callgrind's instrumentation on")
     p.add_argument("--runs", type=int, default=12)
     p.add_argument("--offloading", action="store_true", help="decode with the offloading cache's order of work")
+    p.add_argument("--slot", choices=("native", "python"),
+                   help="fire the stand-in's GPU-trace events through PyTorch's GPU-trace slot, held by the native "
+                        "observer or by PyTorch's own interpreter (default: call the registries directly)")
     a = p.parse_args()
     torch.set_num_threads(1)
+    if a.slot:
+        why = through_slot(a.slot)
+        if why:
+            sys.exit(f"bench/standin.py: --slot {a.slot}: {why}")
     with StandIn() as standin:
         measure(standin.enter, decode_loop(offloading=a.offloading), a)
 

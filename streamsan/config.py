@@ -78,11 +78,13 @@ OPTIONS = {o.key: o for o in (
 # The STREAMSAN_* variables that are no option above, and what reads them.
 OTHER_VARIABLES = {
     "STREAMSAN_CORE": "python: run the torch tracer without its C part",
+    "STREAMSAN_GPU_TRACE": "python: let PyTorch's Python path carry its GPU-trace events, not the native observer",
     "STREAMSAN_SESSION_DIR": "set by streamsan wrap for the processes it runs",
     "STREAMSAN_RECORD_DIR": "the GPU tests: record each scenario's trace there",
     "STREAMSAN_TEST_ALLOCATOR": "the GPU tests: a CUDA allocator library to load",
 }
 CORE_VALUES = ("python", "c")
+GPU_TRACE_VALUES = ("python", "native")
 
 
 def add_arguments(parser: argparse.ArgumentParser, keys) -> None:
@@ -124,7 +126,7 @@ def _from_env(o: Option, text: str):
 
 def environment_warnings(environ=None) -> list[str]:
     """One line for each ``STREAMSAN_*`` variable that streamsan ignores: a name it does not know (a misspelled
-    option), or a ``STREAMSAN_CORE`` it does not understand. Bad values of options are errors where they are
+    option), or a ``STREAMSAN_CORE`` or ``STREAMSAN_GPU_TRACE`` it does not understand. Bad values of options are errors where they are
     used (:func:`resolve`)."""
     environ = os.environ if environ is None else environ
     known = [o.env for o in OPTIONS.values()] + list(OTHER_VARIABLES)
@@ -139,6 +141,12 @@ def environment_warnings(environ=None) -> list[str]:
     if core and core not in CORE_VALUES:
         out.append(f"streamsan: warning: STREAMSAN_CORE={environ['STREAMSAN_CORE']!r} ignored (expected one of "
                    f"{', '.join(CORE_VALUES)}): the torch tracer runs with its C part where it was built")
+    carrier = environ.get("STREAMSAN_GPU_TRACE", "").strip().lower()
+    if carrier and carrier not in GPU_TRACE_VALUES:
+        out.append(f"streamsan: warning: STREAMSAN_GPU_TRACE={environ['STREAMSAN_GPU_TRACE']!r} ignored (expected "
+                   f"one of {', '.join(GPU_TRACE_VALUES)}): the native observer carries GPU-trace events where it "
+                   f"loads")
+    return out
     return out
 
 

@@ -72,6 +72,8 @@ def _load(source, root, compile):
     built = _stamped(stamp, ident, name)
     if built is None:
         directory.mkdir(parents=True, exist_ok=True)
+        sys.stderr.write(f"streamsan: building its native observer for torch {ident['torch']} (once; kept in "
+                         f"{directory})\n")
         log = io.StringIO()
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):

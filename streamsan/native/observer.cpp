@@ -812,28 +812,36 @@ bool arm_this_thread() {
 }
 
 /* ------------------------------------------------------------------ GPU trace */
-PyObject* g_forward = nullptr;  // torch.cuda._gpu_trace while forwarding to PyTorch's Python callbacks
+/* While forwarding: each event kind's registry of torch.cuda._gpu_trace (indexed by kind; null: none), resolved
+ * once, and its fire_callbacks looked up at each event (whoever registers later changes it), as PyTorch's own
+ * interpreter does but without its import and attribute walk per event. */
+PyObject* g_registries[E_EVENT_SYNC + 1] = {};
+PyObject* g_fire_callbacks = nullptr;  // the interned name
+bool g_forwarding = false;
 
-void forward(c10::DeviceType type, const char* registry, int n, uint64_t a, uint64_t b) {
-  if (g_forward == nullptr || (type != c10::DeviceType::CUDA && type != c10::DeviceType::HIP)) return;
+void forward(uint8_t kind, c10::DeviceType type, int n, uint64_t a, uint64_t b) {
+  if (!g_forwarding || (type != c10::DeviceType::CUDA && type != c10::DeviceType::HIP)) return;
   if (!Py_IsInitialized() || STREAMSAN_FINALIZING()) return;
   PyGILState_STATE gil = PyGILState_Ensure();
-  PyObject* module = g_forward;
-  if (module != nullptr) {
-    PyObject* reg = PyObject_GetAttrString(module, registry);
-    PyObject* fire = reg ? PyObject_GetAttrString(reg, "fire_callbacks") : nullptr;
+  PyObject* reg = g_forwarding ? g_registries[kind] : nullptr;
+  if (reg != nullptr) {
+    Py_INCREF(reg);
+    PyObject* fire = PyObject_GetAttr(reg, g_fire_callbacks);
     PyObject* result = nullptr;
     if (fire != nullptr) {
-      if (n == 0) result = PyObject_CallNoArgs(fire);
-      if (n == 1) result = PyObject_CallFunction(fire, "K", static_cast<unsigned long long>(a));
-      if (n == 2)
-        result = PyObject_CallFunction(fire, "KK", static_cast<unsigned long long>(a),
-                                       static_cast<unsigned long long>(b));
+      PyObject* args[2] = {nullptr, nullptr};
+      int made = 0;
+      for (; made < n; made++) {
+        args[made] = PyLong_FromUnsignedLongLong(made == 0 ? a : b);
+        if (args[made] == nullptr) break;
+      }
+      if (made == n) result = PyObject_Vectorcall(fire, args, static_cast<size_t>(n), nullptr);
+      for (int i = 0; i < made; i++) Py_DECREF(args[i]);
     }
-    if (result == nullptr) PyErr_WriteUnraisable(fire ? fire : module);
+    if (result == nullptr) PyErr_WriteUnraisable(fire ? fire : reg);
     Py_XDECREF(result);
     Py_XDECREF(fire);
-    Py_XDECREF(reg);
+    Py_DECREF(reg);
   }
   PyGILState_Release(gil);
 }
@@ -862,9 +870,9 @@ void trace(uint8_t kind, c10::DeviceType type, uint64_t a, uint64_t b) {
   buf.lock.unlock();
 }
 
-void event(uint8_t kind, const char* registry, c10::DeviceType type, int n, uint64_t a, uint64_t b) {
+void event(uint8_t kind, c10::DeviceType type, int n, uint64_t a, uint64_t b) {
   trace(kind, type, a, b);
-  forward(type, registry, n, a, b);
+  forward(kind, type, n, a, b);
 }
 
 /* The trace slot's interpreter. PyInterpreterVTable's methods differ between torch versions; every spelling
@@ -918,27 +926,27 @@ struct TraceVTable : public c10::impl::PyInterpreterVTable {
   c10::SymInt sym_storage_offset(const c10::TensorImpl*) const { unused("sym_storage_offset"); }
   void reset_backward_hooks(const c10::TensorImpl*) const { unused("reset_backward_hooks"); }
 
-  void trace_gpu_event_creation(DT t, uintptr_t e) const { event(E_EVENT_CREATE, "EventCreationCallbacks", t, 1, e, 0); }
-  void trace_gpu_event_deletion(DT t, uintptr_t e) const { event(E_EVENT_DELETE, "EventDeletionCallbacks", t, 1, e, 0); }
+  void trace_gpu_event_creation(DT t, uintptr_t e) const { event(E_EVENT_CREATE, t, 1, e, 0); }
+  void trace_gpu_event_deletion(DT t, uintptr_t e) const { event(E_EVENT_DELETE, t, 1, e, 0); }
   void trace_gpu_event_record(DT t, uintptr_t e, uintptr_t s) const {
-    event(E_EVENT_RECORD, "EventRecordCallbacks", t, 2, e, s);
+    event(E_EVENT_RECORD, t, 2, e, s);
   }
-  void trace_gpu_event_wait(DT t, uintptr_t e, uintptr_t s) const { event(E_EVENT_WAIT, "EventWaitCallbacks", t, 2, e, s); }
-  void trace_gpu_memory_allocation(DT t, uintptr_t p) const { event(E_ALLOC, "MemoryAllocationCallbacks", t, 1, p, 0); }
+  void trace_gpu_event_wait(DT t, uintptr_t e, uintptr_t s) const { event(E_EVENT_WAIT, t, 2, e, s); }
+  void trace_gpu_memory_allocation(DT t, uintptr_t p) const { event(E_ALLOC, t, 1, p, 0); }
   void trace_gpu_memory_deallocation(DT t, uintptr_t p) const {
-    event(E_FREE, "MemoryDeallocationCallbacks", t, 1, p, 0);
+    event(E_FREE, t, 1, p, 0);
   }
   void trace_gpu_stream_creation(DT t, uintptr_t s) const {
-    event(E_STREAM_CREATE, "StreamCreationCallbacks", t, 1, s, 0);
+    event(E_STREAM_CREATE, t, 1, s, 0);
   }
   void trace_gpu_device_synchronization(DT t) const {
-    event(E_DEVICE_SYNC, "DeviceSynchronizationCallbacks", t, 0, 0, 0);
+    event(E_DEVICE_SYNC, t, 0, 0, 0);
   }
   void trace_gpu_stream_synchronization(DT t, uintptr_t s) const {
-    event(E_STREAM_SYNC, "StreamSynchronizationCallbacks", t, 1, s, 0);
+    event(E_STREAM_SYNC, t, 1, s, 0);
   }
   void trace_gpu_event_synchronization(DT t, uintptr_t e) const {
-    event(E_EVENT_SYNC, "EventSynchronizationCallbacks", t, 1, e, 0);
+    event(E_EVENT_SYNC, t, 1, e, 0);
   }
   // (torch versions whose trace methods name no device type: CUDA's)
   void trace_gpu_event_creation(uintptr_t e) const { trace_gpu_event_creation(DT::CUDA, e); }
@@ -1128,16 +1136,67 @@ PyObject* py_owns_gpu_trace(PyObject*, PyObject*) {
   return PyBool_FromLong(ours != nullptr && c10::impl::GPUTrace::get_trace() == ours);
 }
 
+/* The registry of each event kind, by the attribute name torch.cuda._gpu_trace gives it. */
+const char* const REGISTRY_NAMES[E_EVENT_SYNC + 1] = {
+    nullptr, "EventCreationCallbacks", "EventDeletionCallbacks", "EventRecordCallbacks", "EventWaitCallbacks",
+    "MemoryAllocationCallbacks", "MemoryDeallocationCallbacks", "StreamCreationCallbacks",
+    "DeviceSynchronizationCallbacks", "StreamSynchronizationCallbacks", "EventSynchronizationCallbacks"};
+
 PyObject* py_forward_gpu_trace(PyObject*, PyObject* module) {
-  PyObject* old = g_forward;
-  if (module == Py_None) {
-    g_forward = nullptr;
-  } else {
-    Py_INCREF(module);
-    g_forward = module;
+  PyObject* found[E_EVENT_SYNC + 1] = {};
+  if (module != Py_None) {
+    if (g_fire_callbacks == nullptr && (g_fire_callbacks = PyUnicode_InternFromString("fire_callbacks")) == nullptr)
+      return nullptr;
+    for (int k = 1; k <= E_EVENT_SYNC; k++) {
+      found[k] = PyObject_GetAttrString(module, REGISTRY_NAMES[k]);
+      if (found[k] == nullptr) {  // (a torch without that kind of event: nothing to forward there)
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+          for (int j = 1; j < k; j++) Py_XDECREF(found[j]);
+          return nullptr;
+        }
+        PyErr_Clear();
+      }
+    }
   }
-  Py_XDECREF(old);
+  g_forwarding = false;
+  for (int k = 1; k <= E_EVENT_SYNC; k++) {
+    PyObject* old = g_registries[k];
+    g_registries[k] = found[k];
+    Py_XDECREF(old);
+  }
+  g_forwarding = module != Py_None;
   Py_RETURN_NONE;
+}
+
+/* Fires one GPU-trace event through whichever interpreter owns PyTorch's slot, as CUDA code does (so the path
+ * from the slot to the callbacks can be checked without a GPU). */
+PyObject* py_fire_trace_event(PyObject*, PyObject* args) {
+  int kind;
+  unsigned long long a = 0, b = 0;
+  if (!PyArg_ParseTuple(args, "i|KK", &kind, &a, &b)) return nullptr;
+  const c10::impl::PyInterpreter* slot = c10::impl::GPUTrace::get_trace();
+  if (slot == nullptr) Py_RETURN_FALSE;
+  const auto cuda = c10::DeviceType::CUDA;
+  Py_BEGIN_ALLOW_THREADS  // (as in CUDA code: the interpreter takes the GIL itself)
+  switch (kind) {
+    case E_EVENT_CREATE: (*slot)->trace_gpu_event_creation(cuda, a); break;
+    case E_EVENT_DELETE: (*slot)->trace_gpu_event_deletion(cuda, a); break;
+    case E_EVENT_RECORD: (*slot)->trace_gpu_event_record(cuda, a, b); break;
+    case E_EVENT_WAIT: (*slot)->trace_gpu_event_wait(cuda, a, b); break;
+    case E_ALLOC: (*slot)->trace_gpu_memory_allocation(cuda, a); break;
+    case E_FREE: (*slot)->trace_gpu_memory_deallocation(cuda, a); break;
+    case E_STREAM_CREATE: (*slot)->trace_gpu_stream_creation(cuda, a); break;
+    case E_DEVICE_SYNC: (*slot)->trace_gpu_device_synchronization(cuda); break;
+    case E_STREAM_SYNC: (*slot)->trace_gpu_stream_synchronization(cuda, a); break;
+    case E_EVENT_SYNC: (*slot)->trace_gpu_event_synchronization(cuda, a); break;
+    default: break;
+  }
+  Py_END_ALLOW_THREADS
+  if (kind < E_EVENT_CREATE || kind > E_EVENT_SYNC) {
+    PyErr_Format(PyExc_ValueError, "no GPU-trace event kind %d", kind);
+    return nullptr;
+  }
+  Py_RETURN_TRUE;
 }
 
 PyObject* py_scalar_type_names(PyObject*, PyObject*) {
@@ -1159,6 +1218,9 @@ PyMethodDef methods[] = {
     {"stop", py_stop, METH_NOARGS, "stop(): observe no more (the calling thread's registration goes at once)"},
     {"arm_thread", py_arm_thread, METH_NOARGS, "arm_thread() -> bool: arm the calling thread (a new thread)"},
     {"sequence", py_sequence, METH_NOARGS, "sequence() -> int: the next sequence number"},
+    {"fire_trace_event", py_fire_trace_event, METH_VARARGS,
+     "fire_trace_event(kind, a=0, b=0) -> bool: fire a GPU-trace event through the slot's interpreter, as CUDA "
+     "code does (False: the slot is empty)"},
     {"drain", py_drain, METH_NOARGS,
      "drain() -> (records, tensors, dims, events, new ops, new sites): what was recorded since the last drain"},
     {"tables", py_tables, METH_NOARGS, "tables() -> (ops, sites): every op and call site met so far"},

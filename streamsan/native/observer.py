@@ -106,14 +106,8 @@ def owns_gpu_trace() -> bool:
     return module is not None and module.owns_gpu_trace()
 
 
-def forward_gpu_trace(enabled: bool) -> None:
-    """While the observer owns the slot, also fire PyTorch's Python GPU-trace callbacks for each CUDA event (as
-    PyTorch's own interpreter does: the GIL and a Python call per event), for a Python user of them (CSAN, a
-    profiler) that came after."""
-    module = _module()
-    if enabled:
-        import torch.cuda._gpu_trace as gpu_trace
-
-        module.forward_gpu_trace(gpu_trace)
-    else:
-        module.forward_gpu_trace(None)
+def forward_gpu_trace(gpu_trace) -> None:
+    """While the observer owns the slot, fire the Python callbacks of ``gpu_trace``'s registries (PyTorch's
+    ``torch.cuda._gpu_trace``) for each CUDA event, each registry's ``fire_callbacks`` as it is at that event; None
+    stops it. The registries are looked up now, once."""
+    _module().forward_gpu_trace(gpu_trace)

@@ -74,6 +74,13 @@ def tracer_core() -> str:
     return "c" if getattr(_ctracer, "AVAILABLE", 0) else "python (the C tracer needs Python 3.11 or later)"
 
 
+def gpu_trace_carrier() -> str | None:
+    """Who carried PyTorch's GPU-trace events in this process (``native``, or ``python`` and why), or None where
+    no torch tracer started."""
+    slot = sys.modules.get("streamsan.tracers.torch.trace_slot")
+    return slot.describe() if slot is not None else None
+
+
 def collect_environment(import_missing: bool = True) -> dict:
     """streamsan, Python, platform, torch (+ its CUDA runtime), the torch tracer (:func:`tracer_core`), CuPy,
     transformers, NVIDIA driver and GPUs (the command line is the report's own ``command``). Unknown values are
@@ -88,6 +95,7 @@ def collect_environment(import_missing: bool = True) -> dict:
         "torch": torch_version,
         "cuda_runtime": _torch_cuda() if torch_version else None,
         "tracer": tracer_core(),
+        "gpu_trace": gpu_trace_carrier(),
         "cupy": _module_version("cupy", import_if_available=False),
         "transformers": _module_version("transformers", import_if_available=False),
         "nvidia_driver": driver,

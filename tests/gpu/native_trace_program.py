@@ -58,11 +58,11 @@ def native_first() -> dict:
     import torch.cuda._gpu_trace as gpu_trace
 
     gpu_trace.register_callback_for_memory_allocation(seen.append)
-    observer.forward_gpu_trace(True)
+    observer.forward_gpu_trace(gpu_trace)
     observer.start()
     z = torch.empty(3 << 20, device="cuda")
     observer.stop()
-    observer.forward_gpu_trace(False)
+    observer.forward_gpu_trace(None)
     _, events = dec.decode(observer.drain())
     out["forwarded"] = seen
     out["forward_native"] = [e.a for e in events if e.kind == records.ALLOC]

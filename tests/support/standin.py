@@ -5,7 +5,9 @@ gets at ``configure``) so that CPU tensors count as tensors of device 0, on stre
 (or the handle a program puts in :data:`CURRENT_STREAM`), and puts it back after.
 :class:`StandIn` runs programs under the tracer's dispatch mode (with its C core where built) on top of that: each
 fresh output is announced as an allocation through PyTorch's GPU trace registries, as CUDA's allocator would, and
-freed 8 ops later, between ops. ``tests/test_ctracer.py`` compares the C core and the Python path on it, and
+freed 8 ops later, between ops: through the registries' ``fire_callbacks`` directly, or, after
+:func:`through_slot`, through the interpreter in PyTorch's GPU-trace slot as CUDA code does (the native observer's
+or PyTorch's own). ``tests/test_ctracer.py`` compares the C core and the Python path on it, and
 ``bench/standin.py`` measures the tracer's cost on it without a GPU.
 """
 
@@ -27,6 +29,42 @@ from streamsan.tracers.torch.dispatch import TracingMode
 from streamsan.tracers.torch.tracer import TorchTracer
 
 CURRENT_STREAM = [7]  # the raw handle of the stand-in's current stream (7, the default, unless a program switches)
+
+# The registries the stand-in fires, and the native observer's code of each kind of event.
+_KINDS = {"alloc": (gt.MemoryAllocationCallbacks, 5), "free": (gt.MemoryDeallocationCallbacks, 6),
+          "record": (gt.EventRecordCallbacks, 3), "wait": (gt.EventWaitCallbacks, 4)}
+_SLOT = [None]  # the observer's extension while events go through the slot
+
+
+def fire(kind: str, *args) -> None:
+    """A GPU-trace event of ``kind`` (alloc, free, record, wait), as CUDA code would fire it."""
+    registry, code = _KINDS[kind]
+    # (one line: a stack captured at the event has the same frames whichever way it goes)
+    registry.fire_callbacks(*args) if _SLOT[0] is None else _SLOT[0].fire_trace_event(code, *args)
+
+
+def through_slot(carrier: str) -> str:
+    """From now on, fire events through PyTorch's GPU-trace slot, holding the ``carrier``: ``native`` (the torch
+    tracer's choice where CUDA is there) or ``python`` (PyTorch's own interpreter). Once per process, before any
+    tracer starts; "" on success, else why not."""
+    from streamsan.native import observer
+    from streamsan.tracers.torch import trace_slot
+
+    module, why = observer.load()
+    if module is None:
+        return why
+    if carrier == "python":
+        os.environ["STREAMSAN_GPU_TRACE"] = "python"
+    available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True  # (the stand-in's tensors are CUDA's)
+    try:
+        trace_slot.activate()
+    finally:
+        torch.cuda.is_available = available
+    if trace_slot.CARRIER != carrier:
+        return f"the slot's carrier is {trace_slot.describe()}"
+    _SLOT[0] = module
+    return ""
 
 
 @contextlib.contextmanager
@@ -125,7 +163,7 @@ class StandIn:
                     if w is None:
                         w = wrappers[func] = announcing(func)
                     if len(live) > 8:
-                        gt.MemoryDeallocationCallbacks.fire_callbacks(live.pop(0))  # a tensor dropped between ops
+                        fire("free", live.pop(0))  # a tensor dropped between ops
                     return inner(w, types, args, kwargs)
                 dispatch.__self__ = self  # (PyTorch checks that a mode's __torch_dispatch__ is bound)
                 self.__torch_dispatch__ = dispatch
@@ -152,7 +190,7 @@ def _announcing_class(keep, live):
                 p = out.untyped_storage().data_ptr()
                 if p not in live:
                     live.append(p)
-                    gt.MemoryAllocationCallbacks.fire_callbacks(p)
+                    fire("alloc", p)
             return out
 
         def __getattr__(self, name):

@@ -10,7 +10,7 @@ import threading
 import torch
 
 from ... import events as E
-from . import ccore, device
+from . import ccore, device, trace_slot
 
 _ALLOC, _FREE = E.ALLOC, E.FREE
 _get_ident = threading.get_ident
@@ -35,7 +35,7 @@ class GpuTrace:
             return
         import torch.cuda._gpu_trace as gt
 
-        torch._C._activate_gpu_trace()
+        trace_slot.activate()
 
         def on(registry, handler, capturing=False):
             def callback(*args):
