@@ -158,3 +158,13 @@ def test_a_stream_made_from_native_code_gets_no_name_and_no_error():
 
     made_here = constructor()
     assert made_here == "made_here"
+
+
+def test_no_name_where_the_source_is_not_there():
+    """A program read from standard input has no lines in linecache; an edited file may have fewer than the frame's
+    line: no name, never an error."""
+    from streamsan.tracers.naming import continued_from
+
+    assert continued_from([], 5) is None
+    assert continued_from(["s = (\n", "    torch.cuda.Stream()\n"], 9) is None
+    assert continued_from(["s = (\n", "    torch.cuda.Stream()\n"], 2) == "s"

@@ -56,7 +56,9 @@ def creation_name(frame) -> str | None:
 def continued_from(lines: list, lineno: int, back: int = 4) -> str | None:
     """The target of an assignment whose value continues onto line ``lineno`` (1-based) from one of the ``back``
     lines before it, inside brackets it opened (``self.stream = (`` / ``Stream(...) if cuda else None`` / ``)``),
-    or None."""
+    or None (also where the source is not there or shorter: a program read from standard input, an edited file)."""
+    if lineno > len(lines) + 1:
+        return None
     for first in range(lineno - 1, max(lineno - 1 - back, 0), -1):
         target = assigned_to(lines[first - 1])
         if target is None:
