@@ -3,19 +3,14 @@ streamsan.analysis.race.unordered (the happens-before test of two accesses), wit
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-from streamsan.analysis.clocks import Clocks, join, knows  # noqa: E402
-from streamsan.analysis.race import ShadowChecker, unordered  # noqa: E402
-from streamsan.analysis.shadow import Access  # noqa: E402
-from streamsan.events import BLOCKING, HOST, LEGACY_DEFAULT, MAX_AGENT  # noqa: E402
+from streamsan.analysis.clocks import Clocks, join, knows
+from streamsan.analysis.race import ShadowChecker, unordered
+from streamsan.analysis.shadow import Access
+from streamsan.events import BLOCKING, HOST, LEGACY_DEFAULT, MAX_AGENT
 
 
 def access(agent, clock, seq=0, writes=()):

@@ -11,11 +11,12 @@ from streamsan.analysis.analyzer import Analyzer
 from streamsan.helper import AnalysisHelper
 from streamsan.session import Session
 from streamsan.trace import TraceReader
+from tests.support.fixtures import trace
 
-FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
-TRACES = ["missing_record_stream", "nonblocking_streams_race", "wait_stream_right",
-          "d2h_then_h2d_pinned_across_streams", "collective-async_allreduce_then_use",
-          "loader_thread_without_handoff_races"]
+TRACES = ["torch_scenarios/missing_record_stream", "torch_scenarios/nonblocking_streams_race",
+          "torch_scenarios/wait_stream_right", "torch_scenarios/d2h_then_h2d_pinned_across_streams",
+          "collectives_devices_threads_triton/collective-async_allreduce_then_use",
+          "collectives_devices_threads_triton/loader_thread_without_handoff_races"]
 
 
 def summary(analyzer):
@@ -23,8 +24,8 @@ def summary(analyzer):
             for f in analyzer.sorted_findings()]
 
 
-def batches(name):
-    return list(TraceReader(str(FIXTURES / f"{name}.sstrace")).batches())
+def batches(key):
+    return list(TraceReader(str(trace(key))).batches())
 
 
 @pytest.mark.parametrize("name", TRACES)

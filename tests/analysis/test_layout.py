@@ -7,18 +7,13 @@ only for large views that are neither.
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-from streamsan.analysis.layout import MAX_RUNS, touch_common_bytes  # noqa: E402
+from streamsan.analysis.layout import MAX_RUNS, touch_common_bytes
 
 
 

@@ -1,5 +1,5 @@
 """Long runs, bounded memory: the analyzer's state follows the program's live memory, not the length of the
-run. Synthetic decode loops (``bench/synth.py``) with heavy allocation churn (``churn=4``: a fresh address for
+run. Synthetic decode loops (``tests/support/synth.py``) with heavy allocation churn (``churn=4``: a fresh address for
 every allocation, so nothing is ever reused and every freed block's history is dead weight unless retired).
 
 ``decode_trace``'s live memory is constant (each layer frees what it allocated), so the analyzer's state must
@@ -9,20 +9,12 @@ be too.
 from __future__ import annotations
 
 import gc
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-for _p in (str(ROOT), str(ROOT / "bench")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from synth import decode_trace  # noqa: E402
-
-from streamsan import events as E  # noqa: E402
-from streamsan.analysis.analyzer import Analyzer  # noqa: E402
+from streamsan import events as E
+from streamsan.analysis.analyzer import Analyzer
+from tests.support.synth import decode_trace
 
 BATCH = 4096
 WINDOW = 200_000

@@ -5,20 +5,12 @@ Also a few small hand-written traces that pin down the oracle itself.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from streamsan import events as E  # noqa: E402
-from oracle import Oracle, format_trace  # noqa: E402
+from streamsan import events as E
+from tests.support.oracle import Oracle, format_trace
 
 RACE_KINDS = ("device-device", "host-device", "alloc-reuse")
 ADDR_LIMIT = 96  # every block lies inside [0, ADDR_LIMIT) of its space

@@ -11,80 +11,18 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from streamsan import events as E  # noqa: E402
-from streamsan.analysis.analyzer import Analyzer  # noqa: E402
-from streamsan.events import (BLOCKING, HOST, LEGACY_DEFAULT, OP_BLOCKING, PINNED, alloc, def_stack,  # noqa: E402
+from streamsan import events as E
+from streamsan.analysis.analyzer import Analyzer
+from streamsan.events import (BLOCKING, HOST, LEGACY_DEFAULT, OP_BLOCKING, PINNED, alloc, def_stack,
                               device_sync, event_record, event_sync, event_wait, free, host_access, op,
                               record_stream, rng, stream, stream_sync)
-from streamsan.analysis.findings import (ALLOC_REUSE, DEVICE_DEVICE, HOST_DEVICE, MISSING_RECORD_STREAM,  # noqa: E402
+from streamsan.analysis.findings import (ALLOC_REUSE, DEVICE_DEVICE, HOST_DEVICE, MISSING_RECORD_STREAM,
                                 fingerprint)
-
-A, B, C = 1, 2, 3
-BASE = 0x7F00_0000_0000
-PIN = 0x5500_0000_0000
-KB = 1024
-
-
-def streams(*agents, device=0):
-    return [stream(a, device, 0x1000 * a) for a in agents]
-
-
-def base3():
-    """Streams A, B, C on device 0 and a 4 KiB device block owned by A at BASE."""
-    return streams(A, B, C) + [alloc(0, BASE, 4 * KB, A, what="float32[1024]")]
-
-
-def run(events, **kw):
-    a = Analyzer(keep_occurrences=True, **kw)
-    a.feed(events)
-    a.finish()
-    return a
-
-
-def none(events, **kw):
-    a = run(events, **kw)
-    assert a.sorted_findings() == [], a.sorted_findings()
-    assert a.occurrences == [], a.occurrences
-    return a
-
-
-def one(events, kind, prev, cur, lo, hi, space=0, count=1, prev_write=None, cur_write=None, **kw):
-    """Exactly one finding, with these facts. ``prev`` / ``cur``: (agent, op name)."""
-    a = run(events, **kw)
-    fs = a.sorted_findings()
-    assert len(fs) == 1, fs
-    f = fs[0]
-    check(f, kind, prev, cur, lo, hi, space, count, prev_write, cur_write)
-    return a, f
-
-
-def check(f, kind, prev, cur, lo, hi, space=0, count=1, prev_write=None, cur_write=None):
-    got = (f.kind, (f.previous.agent, f.previous.name), (f.current.agent, f.current.name), f.space, f.lo, f.hi,
-           f.count)
-    assert got == (kind, prev, cur, space, lo, hi, count), f
-    if prev_write is not None:
-        assert f.prev_write is prev_write
-    if cur_write is not None:
-        assert f.cur_write is cur_write
-
-
-def D(off, size, layout=None):
-    """A device range at BASE + off."""
-    return rng(0, BASE + off, size, layout)
-
-
-def P(off, size, layout=None):
-    """A pinned host range at PIN + off."""
-    return rng(PINNED, PIN + off, size, layout)
-
+from tests.support.paths import ROOT
+from tests.support.rules_kit import BASE, KB, PIN, A, B, C, D, P, base3, check, none, one, run, streams
 
 # ============================================================================ device-device races
 
@@ -1084,7 +1022,7 @@ def test_core_imports_no_torch_or_cupy(tmp_path):
         assert not bad, bad
     """)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(_ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
     p = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "BAD []" in p.stdout

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-from streamsan.analysis.shadow import Access, ShadowRange, ShadowSpace  # noqa: E402
+from streamsan.analysis.shadow import Access, ShadowRange, ShadowSpace
 
 
 def spans(sh):

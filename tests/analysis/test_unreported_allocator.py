@@ -13,7 +13,7 @@ import pytest
 from streamsan import events as E
 from streamsan.events import UNREPORTED_POOL, alloc, event_record, event_wait, op, record_stream, stream_sync
 from streamsan.analysis.findings import ALLOC_REUSE, MISSING_RECORD_STREAM
-from test_rules import KB, A, B, C, D, BASE, check, none, run, streams
+from tests.support.rules_kit import BASE, KB, A, B, C, D, check, none, run, streams
 
 OVERLAP_NOTE = ("warning", "an allocation overlapped live memory (a free was not seen)")
 
@@ -282,7 +282,7 @@ def unreporting(monkeypatch):
 
 def test_an_op_s_declared_output_is_freed_when_its_last_tensor_dies(unreporting):
     from streamsan.tracers.torch.allocators import declare_outputs
-    from torch_kit import cuda_like
+    from tests.support.torch_kit import cuda_like
 
     tracer = unreporting
     out = cuda_like(16)

@@ -6,36 +6,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
-for _p in (str(ROOT), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan import events as E  # noqa: E402
-from streamsan import exitcodes  # noqa: E402
-from streamsan.cli import main  # noqa: E402
-from streamsan.trace import TraceWriter  # noqa: E402
-
-
-def write_trace(path, batches, close=True, header=None, ends=None):
-    """Write a trace (without its end frame unless ``close``); ``ends`` gets the offset where each batch's
-    frame ends."""
-    w = TraceWriter(str(path), {"command": ["python", "run.py"], **(header or {})})
-    for b in batches:
-        w.write(b)
-        if ends is not None:
-            ends.append(os.fstat(w.fd).st_size)
-    if close:
-        w.close()
-    else:
-        os.close(w.fd)
-    return path
+from streamsan import events as E
+from streamsan import exitcodes
+from streamsan.cli import main
+from tests.support import report_scenarios as S
+from tests.support.paths import ROOT
+from tests.support.report_kit import write_trace
 
 
 def run(capsys, *argv):

@@ -4,21 +4,14 @@ line, in that order of strength; the TOML subset reader for Python 3.10; `wrap -
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from streamsan import exitcodes  # noqa: E402
-from streamsan.cli import main  # noqa: E402
-from streamsan.config import OPTIONS, ConfigError, find_pyproject, read_pyproject, resolve  # noqa: E402
-from test_cli import write_trace  # noqa: E402
-import report_scenarios as S  # noqa: E402
+from streamsan import exitcodes
+from streamsan.cli import main
+from streamsan.config import OPTIONS, ConfigError, find_pyproject, read_pyproject, resolve
+from tests.support import report_scenarios as S
+from tests.support.report_kit import write_trace
 
 KEYS = tuple(OPTIONS)
 DEFAULTS = {"report": "streamsan-report.json", "trace": None, "scope": "full", "fail_on_race": False,

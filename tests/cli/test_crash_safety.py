@@ -27,18 +27,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
-for _p in (str(ROOT), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan import exitcodes  # noqa: E402
+from streamsan import exitcodes
+from tests.support import report_scenarios as S
+from tests.support.paths import ROOT
 
 NO_CUDA = "no CUDA device is available: nothing could be checked (the program ran unchanged)"
 FLUSHED = len(S.pinned_d2h_then_h2d(2))  # 20
@@ -47,8 +41,8 @@ ALL = FLUSHED + PENDING + 1  # + the NOTE
 
 PROGRAM = textwrap.dedent(f"""
     import os, signal, sys, time
-    sys.path.insert(0, {str(_HERE)!r})
-    import report_scenarios as S
+    sys.path.insert(0, {str(ROOT)!r})
+    from tests.support import report_scenarios as S
     import streamsan.session
     import torch
 

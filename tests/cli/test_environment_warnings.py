@@ -3,20 +3,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import streamsan  # noqa: E402
-from streamsan import session as SS  # noqa: E402
-from streamsan.config import environment_warnings  # noqa: E402
-from wrap_kit import run  # noqa: E402
+import streamsan
+from streamsan import session as SS
+from streamsan.config import environment_warnings
+from tests.support.wrap_kit import run
 
 MISSPELLED = ("streamsan: warning: unknown environment variable STREAMSAN_REPROT ignored (did you mean "
               "STREAMSAN_REPORT?)")

@@ -7,20 +7,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
-for _p in (str(ROOT), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan import exitcodes  # noqa: E402
-from streamsan.trace import TraceWriter  # noqa: E402
-from wrap_kit import child, run  # noqa: E402,F401
+from streamsan import exitcodes
+from streamsan.trace import TraceWriter
+from tests.support import report_scenarios as S
+from tests.support.wrap_kit import child, run  # noqa: F401
 
 INCOMPLETE_LINE = ("streamsan: --fail-on-race: no race found, but the report is incomplete (exit 67; "
                    "--allow-incomplete passes it)")

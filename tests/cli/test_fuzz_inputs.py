@@ -20,29 +20,22 @@ import marshal
 import os
 import signal
 import struct
-import sys
 import time
 import zlib
-from pathlib import Path
 
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
-for _p in (str(ROOT), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan import events as E  # noqa: E402
-from streamsan import exitcodes  # noqa: E402
-from streamsan.cli import main  # noqa: E402
-from streamsan.replay import replay_trace  # noqa: E402
-from streamsan.report.io import ReportError, load_report  # noqa: E402
-from streamsan.trace import MAGIC, MAX_FRAME, TraceError, TraceReader  # noqa: E402
+from streamsan import events as E
+from streamsan import exitcodes
+from streamsan.cli import main
+from streamsan.replay import replay_trace
+from streamsan.report.io import ReportError, load_report
+from streamsan.trace import MAGIC, MAX_FRAME, TraceError, TraceReader
+from tests.support import report_scenarios as S
+from tests.support.paths import ROOT
 
 VALIDATOR = jsonschema.Draft202012Validator(json.loads((ROOT / "streamsan" / "report" / "schema.json").read_text()))
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,

@@ -8,19 +8,13 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
-for _p in (str(ROOT), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-import streamsan  # noqa: E402
-from streamsan import session as SS  # noqa: E402
+import streamsan
+from streamsan import session as SS
+from tests.support import report_scenarios as S
+from tests.support.paths import ROOT
 
 JOINED_LINE = f"streamsan: {SS.JOINED}\n"
 RECORDING_LINE = f"streamsan: {SS.JOINED_RECORDING}\n"

@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from streamsan.cli import main  # noqa: E402
-from streamsan.tracers.support import NO_CUDA  # noqa: E402
+from streamsan.cli import main
+from streamsan.tracers.support import NO_CUDA
+from tests.support.paths import ROOT
 
 
 def wrap(capfd, *cmd):

@@ -6,16 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
-for _p in (str(ROOT), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan.trace import TraceWriter  # noqa: E402
+from streamsan.trace import TraceWriter
+from tests.support import report_scenarios as S
+from tests.support.paths import ROOT
 
 
 def streamsan(shell_tail: str, cwd) -> subprocess.CompletedProcess:

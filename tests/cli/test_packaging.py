@@ -10,13 +10,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tests.support.paths import ROOT
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 

@@ -5,27 +5,21 @@ passes, one combined report is written; configuration, suppressions and the kept
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan.config import OPTIONS  # noqa: E402
-from test_report import validator  # noqa: E402
+from streamsan.config import OPTIONS
+from tests.support import report_scenarios as S
+from tests.support.paths import ROOT
+from tests.support.report_kit import validator
 
 pytest_plugins = ["pytester"]
 
 INNER = textwrap.dedent(f"""
     import sys
-    sys.path.insert(0, {str(_HERE)!r})
-    import report_scenarios as S
+    sys.path.insert(0, {str(ROOT)!r})
+    from tests.support import report_scenarios as S
     import streamsan.session
 
     def feed(events):
@@ -107,8 +101,8 @@ def test_without_the_option_the_plugin_does_nothing(inner):
 def test_known_races_do_not_fail_later_tests_and_failing_tests_keep_their_error(inner):
     inner.makepyfile(test_more=textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(_HERE)!r})
-        import report_scenarios as S
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.support import report_scenarios as S
         from test_inner import feed
 
         def test_same_race_again():

@@ -6,18 +6,11 @@ error, not silence."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan import exitcodes  # noqa: E402
-from streamsan.trace import TraceWriter  # noqa: E402
-from wrap_kit import child, run  # noqa: E402,F401
+from streamsan import exitcodes
+from streamsan.trace import TraceWriter
+from tests.support import report_scenarios as S
+from tests.support.wrap_kit import child, run  # noqa: F401
 
 FULL = "/dev/full"
 

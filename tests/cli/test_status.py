@@ -7,21 +7,15 @@ import io
 import logging
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan.cli import main  # noqa: E402
-from streamsan.replay import replay_trace  # noqa: E402
-from streamsan.status import StatusLine, analysis_text  # noqa: E402
-from test_cli import write_trace  # noqa: E402
-from test_wrap import child  # noqa: E402,F401  (fixture)
+from streamsan.cli import main
+from streamsan.replay import replay_trace
+from streamsan.status import StatusLine, analysis_text
+from tests.support import report_scenarios as S
+from tests.support.report_kit import write_trace
+from tests.support.wrap_kit import child  # noqa: F401  (fixture)
 
 
 class FakeTTY(io.StringIO):

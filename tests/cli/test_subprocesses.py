@@ -13,19 +13,17 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from tests.support.paths import ROOT
 
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
 
 PROGRAM = textwrap.dedent(f"""
     import json, multiprocessing, os, subprocess, sys
-    sys.path.insert(0, {str(_HERE)!r})
+    sys.path.insert(0, {str(ROOT)!r})
 
     def race():
-        import report_scenarios as S
+        from tests.support import report_scenarios as S
         import streamsan.session
         streamsan.session.current().buffer.events.extend(S.pinned_d2h_then_h2d())
 
@@ -194,8 +192,8 @@ def test_wrap_waits_for_processes_that_still_write_their_trace(tmp_path):
 TORCHRUN = textwrap.dedent(f"""
     import json, os, sys
     import torch.distributed as dist
-    sys.path.insert(0, {str(_HERE)!r})
-    import report_scenarios as S
+    sys.path.insert(0, {str(ROOT)!r})
+    from tests.support import report_scenarios as S
     import streamsan.session
 
     dist.init_process_group("gloo")

@@ -5,26 +5,20 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan import exitcodes  # noqa: E402
-from streamsan.cli import main  # noqa: E402
-from streamsan.report.merge import merge_reports  # noqa: E402
-from streamsan.report.render_markdown import render_markdown  # noqa: E402
-from streamsan.report.render_text import render_text  # noqa: E402
-from streamsan.suppressions import (Rule, SuppressionError, apply_suppressions, load_suppressions,  # noqa: E402
+from streamsan import exitcodes
+from streamsan.cli import main
+from streamsan.report.merge import merge_reports
+from streamsan.report.render_markdown import render_markdown
+from streamsan.report.render_text import render_text
+from streamsan.suppressions import (Rule, SuppressionError, apply_suppressions, load_suppressions,
                                     parse_suppressions)
-from test_cli import write_trace  # noqa: E402
-from test_report import report_of, validator  # noqa: E402
-from test_wrap import child  # noqa: E402,F401  (fixture)
+from tests.support import report_scenarios as S
+from tests.support.report_kit import report_of, validator
+from tests.support.report_kit import write_trace
+from tests.support.wrap_kit import child  # noqa: F401  (fixture)
 
 
 def two_races():

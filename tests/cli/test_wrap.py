@@ -13,51 +13,14 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
-for _p in (str(ROOT), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from streamsan import exitcodes  # noqa: E402
-from streamsan.cli import main  # noqa: E402
-from streamsan.wrap import BOOTSTRAP_DIR  # noqa: E402
-
-CHILD = textwrap.dedent(f"""
-    import os, signal, sys, time
-    sys.path.insert(0, {str(_HERE)!r})
-    import report_scenarios as S
-    from streamsan.trace import TraceWriter
-
-    mode, code = sys.argv[1], int(sys.argv[2])
-    session = os.environ["STREAMSAN_SESSION_DIR"]
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "seen.json"), "w") as f:
-        f.write('{{"session": "%s", "scope": "%s"}}' % (session, os.environ["STREAMSAN_SCOPE"]))
-    w = TraceWriter(os.path.join(session, "trace-%d.sstrace" % os.getpid()), {{"command": sys.argv}})
-    w.write(S.host_read_after_d2h(synchronized=True) if mode == "clean" else S.pinned_d2h_then_h2d(2))
-    if mode == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if mode == "sleep":
-        print("ready", flush=True)
-        time.sleep(60)
-    w.close()
-    sys.exit(code)
-""")
-
-
-@pytest.fixture
-def child(tmp_path, monkeypatch):
-    """The fake traced program; returns the command prefix that runs it."""
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    monkeypatch.chdir(tmp_path)
-    path = tmp_path / "child.py"
-    path.write_text(CHILD)
-    return [sys.executable, "-S", str(path)]
+from streamsan import exitcodes
+from streamsan.cli import main
+from streamsan.wrap import BOOTSTRAP_DIR
+from tests.support.paths import ROOT
+from tests.support.wrap_kit import CHILD, child  # noqa: F401  (child: a fixture)
 
 
 def wrap(capfd, *argv):

@@ -5,17 +5,11 @@ never to stderr. Text and Markdown are printed on stderr, as the summary."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from tests.support.wrap_kit import child, run  # noqa: F401
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
-from wrap_kit import child, run  # noqa: E402,F401
 
 SUMMARY = "streamsan: 1 race found, 2 occurrences (1 device-device; "
 

@@ -10,11 +10,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 COUNTER = textwrap.dedent("""
     import os, signal, time

@@ -8,17 +8,11 @@ import os
 import signal
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import streamsan.wrap  # noqa: E402
-from wrap_kit import child, run  # noqa: E402,F401
+import streamsan.wrap
+from tests.support.wrap_kit import child, run  # noqa: F401
 
 BACKGROUND = textwrap.dedent("""
     import subprocess, sys

@@ -16,9 +16,10 @@ from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.indices import IndexValues  # noqa: E402
 from streamsan.tracers.torch import ccore, placement, rules  # noqa: E402
 from streamsan.tracers.torch.callbacks import GpuTrace  # noqa: E402
+from tests.support.paths import ROOT  # noqa: E402
 from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "streamsan", "_ctracer.c")
+SOURCE = os.path.join(ROOT, "streamsan", "_ctracer.c")
 
 
 @pytest.fixture(scope="module")

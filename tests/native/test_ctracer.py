@@ -105,7 +105,7 @@ def canonical(events):
 @pytest.fixture
 def standin():
     """The CPU stand-in, on for the test (it installs PyTorch's GPU trace callbacks)."""
-    from support.standin import StandIn
+    from tests.support.standin import StandIn
 
     with StandIn() as s:
         yield s
@@ -114,7 +114,7 @@ def standin():
 def run(core):
     from streamsan.tracers.torch.callbacks import GpuTrace
     from streamsan.tracers.torch.dispatch import TracingMode
-    from support.standin import StandIn
+    from tests.support.standin import StandIn
 
     declined = []
     python_dispatch = TracingMode.__torch_dispatch__.__code__

@@ -18,9 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from native_kit import Recorder, arm_new_threads, compare, observe  # noqa: E402
-
 from streamsan.native import build, observer, records  # noqa: E402
+from tests.support.native_kit import Recorder, arm_new_threads, compare, observe  # noqa: E402
 
 F = torch.nn.functional
 
@@ -194,7 +193,7 @@ def test_new_python_threads_are_observed_once_armed(native):
         finally:
             observer.stop()
     got, events = dec.decode(observer.drain())
-    from native_kit import Run
+    from tests.support.native_kit import Run
 
     r = Run(got, events, rec.ops)
     check(r)

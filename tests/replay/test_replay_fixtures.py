@@ -1,43 +1,43 @@
 """Replay traces recorded on an H200 by tests/gpu/: the same exact findings.
 
-``expected.json`` / ``expected_cupy.json``: the scenarios of tests/gpu/test_{torch,cupy}_scenarios.py;
-``expected_more.json``: NCCL collectives (test_collectives.py), copies between two GPUs (test_multi_gpu.py), loader
-threads and a CUDA graph (test_reliability.py), Triton kernels (test_triton_kernels.py); ``expected_field.json``:
-real projects' stream bugs and their fixes (test_field_training.py, test_field_inference.py, test_field_more.py,
-test_field_cupy.py, test_field_staging.py, test_field_serving.py, test_field_threads_events.py,
-test_field_data_pipelines.py, test_cuda_graphs.py), the precision probes of views and of the allocator
-(test_field_views.py, test_field_allocator.py), more CuPy bug patterns (test_field_cupy_more.py), real transformers
-paths (``transformers-*``, test_transformers_paths.py: generate with each cache, streamers, host copies), backward
-passes on streams (test_autograd_streams.py) and training steps of DDP, FSDP (both APIs), tensor parallelism, activation
-checkpointing and AMP (test_parallel_libs.py: all clean); ``expected_bench.json``: one whole run of the benchmark's
-decode loop (bench/bench.py: an 8-layer Qwen3, 512-token prompt, 32 steps; about 50k events each), resident (clean)
-and with ``DynamicCache(offloading=True)`` (transformers 5.17's offloading bug); ``expected_async.json``
-(``async-*``): the torch scenarios and the allocator, training, inference, serving and thread/event field scenarios
-under PyTorch's cudaMallocAsync allocator, which reports no allocations or frees (the tracer declares them): the
-native allocator's findings, but for the one exception of test_torch_scenarios.py's UNDER_CUDA_MALLOC_ASYNC and the
-known false report of test_field_inference.py; ``expected_programs.json`` (``programs-*``): the independent programs
-of test_independent_programs.py, stream bugs of real projects and their fixes written by authors who had not read
-streamsan.
+One folder per suite under ``tests/replay/fixtures/``, its ``expected.json`` beside its traces (name -> findings,
+as (kind, previous stream role, previous op, current stream role, current op)); every trace must have an
+expectation and give exactly it. The suites:
+
+- ``torch_scenarios``, ``cupy_scenarios``: the scenarios of tests/gpu/torch/test_torch_scenarios.py and
+  tests/gpu/cupy/test_cupy_scenarios.py (which read their expectations from here);
+- ``collectives_devices_threads_triton``: NCCL collectives (tests/gpu/torch/test_collectives.py), copies between two
+  GPUs (test_multi_gpu.py), loader threads and a CUDA graph (test_reliability.py), Triton kernels
+  (test_triton_kernels.py);
+- ``real_world_programs``: stream bugs of real projects and their fixes (tests/gpu/projects/, the CuPy ones of
+  tests/gpu/cupy/, tests/gpu/graphs/test_cuda_graphs.py), the precision probes of views, rows and the allocator
+  (tests/gpu/memory/), real transformers paths (``transformers-*``, tests/gpu/transformers/test_transformers_paths.py:
+  generate with each cache, streamers, host copies), backward passes on streams
+  (tests/gpu/torch/test_autograd_streams.py) and training steps of DDP, FSDP (both APIs), tensor parallelism,
+  activation checkpointing and AMP (tests/gpu/libraries/test_parallel_libs.py: all clean);
+- ``bench_decode``: one whole run of the benchmark's decode loop (bench/bench.py: an 8-layer Qwen3, 512-token prompt,
+  32 steps; about 50k events each), resident (clean) and with ``DynamicCache(offloading=True)`` (transformers 5.17's
+  offloading bug);
+- ``cuda_malloc_async``: the torch scenarios and the allocator, training, inference, serving and thread/event
+  programs under PyTorch's cudaMallocAsync allocator, which reports no allocations or frees (the tracer declares
+  them): the native allocator's findings, but for the one exception of test_torch_scenarios.py's
+  UNDER_CUDA_MALLOC_ASYNC and the known false report of tests/gpu/projects/test_inference.py;
+- ``independent_programs`` (``<area>-<program>``): the independent programs of
+  tests/gpu/programs/test_independent_programs.py, stream bugs of real projects and their fixes written by authors
+  who had not read streamsan.
 
 The traces are real PyTorch programs (torch 2.11, CUDA 13); CI has no GPU, so this is how it checks the whole
 path from a live program's events to findings.
 """
 
 import json
-from pathlib import Path
-
 import pytest
 
 from streamsan.replay import replay_trace
+from tests.support.fixtures import FIXTURES, expected, suites, trace, traces
+from tests.support.paths import ROOT
 
-FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
-EXPECTED = {**json.loads((FIXTURES / "expected.json").read_text()),  # tests/gpu/test_torch_scenarios.py
-            **json.loads((FIXTURES / "expected_cupy.json").read_text()),  # tests/gpu/test_cupy_scenarios.py
-            **json.loads((FIXTURES / "expected_more.json").read_text()),
-            **json.loads((FIXTURES / "expected_field.json").read_text()),
-            **json.loads((FIXTURES / "expected_bench.json").read_text()),
-            **json.loads((FIXTURES / "expected_async.json").read_text()),
-            **json.loads((FIXTURES / "expected_programs.json").read_text())}
+EXPECTED = {f"{suite}/{name}": findings for suite in suites() for name, findings in expected(suite).items()}
 
 
 def summarize(report):
@@ -46,12 +46,12 @@ def summarize(report):
 
 
 def test_every_expectation_has_a_trace():
-    assert sorted(p.stem for p in FIXTURES.glob("*.sstrace")) == sorted(EXPECTED)
+    assert sorted(f"{p.parent.name}/{p.stem}" for p in FIXTURES.rglob("*.sstrace")) == sorted(EXPECTED)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_replayed_scenario(name):
-    report = replay_trace(str(FIXTURES / f"{name}.sstrace"))
+    report = replay_trace(str(trace(name)))
     assert report["complete"] is True
     assert summarize(report) == EXPECTED[name]
 
@@ -60,7 +60,7 @@ def test_a_whole_offloaded_decode_run_gives_the_bug_once_per_pair_of_call_sites(
     """The benchmark's offloading decode loop, one whole run: transformers 5.17's bug as the reference repro
     reports it (reports/transformers-48947.json), each finding once with every occurrence counted (one per layer
     and step after the first), labelled with the first cache layer it was met on."""
-    report = replay_trace(str(FIXTURES / "bench-decode_qwen3_offloading.sstrace"))
+    report = replay_trace(str(trace("bench_decode/decode_qwen3_offloading")))
     got = [(r["kind"], r["count"], r["memory"]["space"], r["memory"]["label"], r["previous_access"]["location"],
             r["access"]["location"]) for r in report["races"]]
     assert got == [
@@ -74,14 +74,14 @@ def test_a_whole_offloaded_decode_run_gives_the_bug_once_per_pair_of_call_sites(
          "transformers/cache_utils.py:85"),
     ]
     assert report["summary"]["events"] == 54257 and report["summary"]["streams"] == 2
-    bundled = json.loads((Path(__file__).parent.parent / "reports" / "transformers-48947.json").read_text())
+    bundled = json.loads((ROOT / "reports" / "transformers-48947.json").read_text())
     assert [r[0] for r in got] == [r["kind"] for r in bundled["races"]]
-    clean = replay_trace(str(FIXTURES / "bench-decode_qwen3.sstrace"))
+    clean = replay_trace(str(trace("bench_decode/decode_qwen3")))
     assert clean["races"] == [] and clean["summary"]["ops"] == 15510 and clean["complete"] is True
 
 
 def test_a_replayed_cuda_graph_says_how_replays_are_checked():
-    report = replay_trace(str(FIXTURES / "cuda_graph_replay_after_wait_stream.sstrace"))
+    report = replay_trace(str(trace("collectives_devices_threads_triton/cuda_graph_replay_after_wait_stream")))
     assert [n["text"] for n in report["notes"]] == [
         "CUDA graphs: a replay is checked as one access, on the stream it runs on, of the memory its captured aten "
         "ops touch; kernels captured outside aten ops (Triton, native extensions) and races inside a graph are not "
@@ -89,12 +89,13 @@ def test_a_replayed_cuda_graph_says_how_replays_are_checked():
     assert report["races"] == []
 
 
-@pytest.mark.parametrize("name", ["missing_record_stream", "collective-async_allreduce_then_use"])
+@pytest.mark.parametrize("name", ["torch_scenarios/missing_record_stream",
+                                  "collectives_devices_threads_triton/collective-async_allreduce_then_use"])
 def test_uncompressed_frames_replay_the_same(name, tmp_path):
     """A trace written with uncompressed frames (as under ``streamsan wrap``) replays to the same findings."""
     from streamsan.trace import TraceReader, TraceWriter
 
-    r = TraceReader(str(FIXTURES / f"{name}.sstrace"))
+    r = TraceReader(str(trace(name)))
     w = TraceWriter(str(tmp_path / "raw.sstrace"), r.header, compress=False)
     for batch in r.batches():
         w.write(batch)
@@ -114,7 +115,7 @@ def test_the_engines_gradient_records_keep_fsdp_clean():
     from streamsan.trace import TraceReader
 
     engine_stacks, dropped, stripped = set(), 0, Analyzer()
-    for batch in TraceReader(str(FIXTURES / "fsdp1_training.sstrace")).batches():
+    for batch in TraceReader(str(trace("real_world_programs/fsdp1_training"))).batches():
         kept = []
         for ev in batch:
             if ev[0] == E.DEF_STACK and ev[2] and ev[2][0][0] == "<autograd engine>":
@@ -128,7 +129,7 @@ def test_the_engines_gradient_records_keep_fsdp_clean():
     assert dropped > 0
     assert [(f.kind, f.previous.name, f.current.name) for f in stripped.sorted_findings()] == [
         ("missing-record-stream", "aten::cat", "allocation")]
-    assert replay_trace(str(FIXTURES / "fsdp1_training.sstrace"))["races"] == []
+    assert replay_trace(str(trace("real_world_programs/fsdp1_training")))["races"] == []
 
 
 def test_a_replayed_memory_pool_block_waits_for_its_pool():
@@ -139,10 +140,10 @@ def test_a_replayed_memory_pool_block_waits_for_its_pool():
     from streamsan.analysis.analyzer import Analyzer
     from streamsan.trace import TraceReader
 
-    assert replay_trace(str(FIXTURES / "mempool_block_not_reused_outside_pool.sstrace"))["races"] == []
+    assert replay_trace(str(trace("real_world_programs/mempool_block_not_reused_outside_pool")))["races"] == []
     stripped = Analyzer()
     pools = 0
-    for batch in TraceReader(str(FIXTURES / "mempool_block_not_reused_outside_pool.sstrace")).batches():
+    for batch in TraceReader(str(trace("real_world_programs/mempool_block_not_reused_outside_pool"))).batches():
         pools += sum(1 for ev in batch if ev[0] == E.ALLOC and len(ev) > 8)
         stripped.feed([ev[:8] if ev[0] == E.ALLOC else ev for ev in batch])
     stripped.finish()
@@ -152,13 +153,13 @@ def test_a_replayed_memory_pool_block_waits_for_its_pool():
 
 
 def test_the_cuda_malloc_async_traces_have_only_declared_blocks_and_their_frees():
-    """Every device allocation of the async-* traces is one the tracer declared (E.UNREPORTED_POOL), and the frees it
+    """Every device allocation of the cuda_malloc_async traces is one the tracer declared (E.UNREPORTED_POOL), and the frees it
     learnt from storage deaths are there: the rule for an unreporting allocator is what these replays check."""
     from streamsan import events as E
     from streamsan.trace import TraceReader
 
     allocs = frees = 0
-    for path in sorted(FIXTURES.glob("async-*.sstrace")):
+    for path in traces("cuda_malloc_async"):
         r = TraceReader(str(path))
         for batch in r.batches():
             for ev in batch:

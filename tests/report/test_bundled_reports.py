@@ -3,14 +3,13 @@ bundled report and its Markdown are the replay of the bundled trace, of the scri
 
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 
 from streamsan.replay import replay_trace
 from streamsan.report.render_markdown import render_markdown
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).parent.parent
 REPORTS = ROOT / "reports"
 SCHEMA = json.loads((ROOT / "streamsan" / "report" / "schema.json").read_text())
 

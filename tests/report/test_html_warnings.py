@@ -4,20 +4,13 @@ warnings at the top, in the notebook view too), and a wide timeline keeps its si
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan.report.render_html import render_html, render_session_html  # noqa: E402
-from streamsan.report.render_svg import render_svg  # noqa: E402
-from streamsan.report.timeline import picture  # noqa: E402
-from streamsan.tracers.support import NO_CUDA  # noqa: E402
-from test_report import report_of  # noqa: E402
+from streamsan.report.render_html import render_html, render_session_html
+from streamsan.report.render_svg import render_svg
+from streamsan.report.timeline import picture
+from streamsan.tracers.support import NO_CUDA
+from tests.support import report_scenarios as S
+from tests.support.report_kit import report_of
 
 
 def unchecked_report() -> dict:

@@ -7,18 +7,12 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan.report.environment import environment_rows  # noqa: E402
-from streamsan.report.merge import merge_reports  # noqa: E402
-from test_report import report_of  # noqa: E402
-from wrap_kit import child, run  # noqa: E402,F401
+from streamsan.report.environment import environment_rows
+from streamsan.report.merge import merge_reports
+from tests.support import report_scenarios as S
+from tests.support.report_kit import report_of
+from tests.support.wrap_kit import child, run  # noqa: F401
 
 CPU = {"streamsan": "0.1.0", "torch": "2.13.0+cpu", "gpus": [], "python": "3.11.7 (CPython)"}
 H200 = {"streamsan": "0.1.0", "torch": "2.11.0+cu130", "gpus": ["NVIDIA H200"], "python": "3.11.7 (CPython)"}

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan.report.build import build_report  # noqa: E402
-from streamsan.report.render_markdown import render_markdown  # noqa: E402
-from streamsan.report.render_text import render_text  # noqa: E402
+from streamsan.report.build import build_report
+from streamsan.report.render_markdown import render_markdown
+from streamsan.report.render_text import render_text
+from tests.support import report_scenarios as S
 
 ENV = {"streamsan": "0.1.0", "torch": "2.11.0", "cuda_runtime": "12.8", "nvidia_driver": None,
        "gpus": ["NVIDIA H200"], "command": ["python", "run.py"]}

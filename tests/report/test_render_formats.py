@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 _HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
-import render_screenshot  # noqa: E402
-import report_scenarios as S  # noqa: E402
 from streamsan import events as E  # noqa: E402
 from streamsan.cli import main  # noqa: E402
 from streamsan.report.render_html import render_html, render_session_html  # noqa: E402
@@ -24,7 +18,9 @@ from streamsan.report.render_markdown import render_markdown  # noqa: E402
 from streamsan.report.render_perfetto import render_perfetto  # noqa: E402
 from streamsan.report.render_sarif import render_sarif  # noqa: E402
 from streamsan.session import Session  # noqa: E402
-from test_report import report_of  # noqa: E402
+from tests.support import render_screenshot  # noqa: E402
+from tests.support import report_scenarios as S  # noqa: E402
+from tests.support.report_kit import report_of  # noqa: E402
 
 SARIF_SCHEMA = _HERE / "data" / "sarif-schema-2.1.0.json"
 

@@ -5,39 +5,20 @@ from __future__ import annotations
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan import events as E  # noqa: E402
-from streamsan.report.build import SCHEMA, build_report  # noqa: E402
-from streamsan.report.environment import collect_environment  # noqa: E402
-from streamsan.report.merge import merge_reports  # noqa: E402
-
-ROOT = _HERE.parent
-ENV = {"streamsan": "0.1.0", "python": "3.11", "torch": "2.11.0", "gpus": ["NVIDIA H200"]}
-
-
-def report_of(events, **kw):
-    return build_report(S.analyze(events), command=["python", "run.py"], environment=ENV, **kw)
-
+from streamsan import events as E
+from streamsan.report.build import SCHEMA
+from streamsan.report.environment import collect_environment
+from streamsan.report.merge import merge_reports
+from tests.support import report_scenarios as S
+from tests.support.paths import ROOT
+from tests.support.report_kit import ENV, report_of, validator
 
 def only_race(report):
     assert len(report["races"]) == 1, [r["kind"] for r in report["races"]]
     return report["races"][0]
-
-
-def validator():
-    jsonschema = pytest.importorskip("jsonschema")
-    schema = json.loads((ROOT / "streamsan" / "report" / "schema.json").read_text())
-    jsonschema.Draft202012Validator.check_schema(schema)
-    return jsonschema.Draft202012Validator(schema)
 
 
 # ---------------------------------------------------------------- building

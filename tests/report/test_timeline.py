@@ -4,21 +4,14 @@ the picture that the HTML and Perfetto renderers draw from a race item."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan import events as E  # noqa: E402
-from streamsan.replay import replay_trace  # noqa: E402
-from streamsan.report.syncs import LIMIT, collect_timelines  # noqa: E402
-from streamsan.report.timeline import Edge, Step, lane_label, picture  # noqa: E402
-from test_cli import write_trace  # noqa: E402
-from test_report import report_of, validator  # noqa: E402
+from streamsan import events as E
+from streamsan.replay import replay_trace
+from streamsan.report.syncs import LIMIT, collect_timelines
+from streamsan.report.timeline import Edge, Step, lane_label, picture
+from tests.support import report_scenarios as S
+from tests.support.report_kit import report_of, validator
+from tests.support.report_kit import write_trace
 
 DEFAULT = {"kind": "stream", "stream": "0x0", "device": 0, "role": "default"}
 PREFETCH = {"kind": "stream", "stream": hex(S.PREFETCH_HANDLE), "device": 0, "role": "prefetch_stream"}

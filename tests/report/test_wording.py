@@ -3,19 +3,11 @@ fix and the missing edge as it escapes every other text, keeping their code span
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan.report.render_markdown import render_markdown  # noqa: E402
-from streamsan.report.render_text import count_text, totals_text  # noqa: E402
-from test_report import report_of  # noqa: E402
-from wrap_kit import run  # noqa: E402
+from streamsan.report.render_markdown import render_markdown
+from streamsan.report.render_text import count_text, totals_text
+from tests.support import report_scenarios as S
+from tests.support.report_kit import report_of
+from tests.support.wrap_kit import run
 
 
 def summary(**counts) -> dict:

@@ -1,10 +1,10 @@
 """Render a sample HTML report (every finding kind, one with sync edges, one suppressed) and screenshot it in
 headless Chromium (Debian's ``chromium`` package), to look at the page as a browser draws it.
 
-    python tests/render_screenshot.py [OUT_DIR] [--height PX]
+    python -m tests.support.render_screenshot [OUT_DIR] [--height PX]      # from the repository root
 
 writes OUT_DIR/report.html, OUT_DIR/session.html (the notebook fragment) and a PNG of each (default OUT_DIR:
-./out/screenshot). Not a CI test: tests/test_render_html.py runs it only where chromium is installed.
+./out/screenshot). Not a CI test: tests/report/test_render_formats.py runs it only where chromium is installed.
 """
 
 from __future__ import annotations
@@ -17,17 +17,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import report_scenarios as S  # noqa: E402
-from streamsan.replay import replay_trace  # noqa: E402
-from streamsan.report.merge import merge_reports  # noqa: E402
-from streamsan.report.render_html import render_html, render_session_html  # noqa: E402
-from streamsan.suppressions import apply_suppressions, parse_suppressions  # noqa: E402
-from streamsan.trace import TraceWriter  # noqa: E402
+from streamsan.replay import replay_trace
+from streamsan.report.merge import merge_reports
+from streamsan.report.render_html import render_html, render_session_html
+from streamsan.suppressions import apply_suppressions, parse_suppressions
+from streamsan.trace import TraceWriter
+from tests.support import report_scenarios as S
 
 SCENARIOS = (S.recorded_too_early, S.pinned_d2h_then_h2d, S.host_read_after_d2h, S.missing_record_stream,
              S.alloc_reuse)

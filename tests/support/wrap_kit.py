@@ -1,18 +1,36 @@
-"""Shared by the tests of ``streamsan wrap``'s outputs and exit codes: the stand-in traced program of
-``test_wrap`` (it writes its trace itself, without the tracer) and a way to run wrap in-process."""
+"""Shared by the tests of ``streamsan wrap``: a stand-in traced program (it writes its trace itself, without the
+tracer), the fixture that runs it, and a way to run wrap in-process."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+import textwrap
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
+from streamsan.cli import main
+from tests.support.paths import ROOT
 
-from streamsan.cli import main  # noqa: E402
-from test_wrap import CHILD  # noqa: E402
+CHILD = textwrap.dedent(f"""
+    import os, signal, sys, time
+    sys.path.insert(0, {str(ROOT)!r})
+    from tests.support import report_scenarios as S
+    from streamsan.trace import TraceWriter
+
+    mode, code = sys.argv[1], int(sys.argv[2])
+    session = os.environ["STREAMSAN_SESSION_DIR"]
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "seen.json"), "w") as f:
+        f.write('{{"session": "%s", "scope": "%s"}}' % (session, os.environ["STREAMSAN_SCOPE"]))
+    w = TraceWriter(os.path.join(session, "trace-%d.sstrace" % os.getpid()), {{"command": sys.argv}})
+    w.write(S.host_read_after_d2h(synchronized=True) if mode == "clean" else S.pinned_d2h_then_h2d(2))
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "sleep":
+        print("ready", flush=True)
+        time.sleep(60)
+    w.close()
+    sys.exit(code)
+""")
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from streamsan.tracers.torch import device  # noqa: E402
 from streamsan.tracers.torch.dispatch import dispatch as traced_dispatch  # noqa: E402
 from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
 from streamsan.tracers.indices import IndexValues, row_ranges, rows_of  # noqa: E402
-from torch_kit import CudaLike  # noqa: E402
+from tests.support.torch_kit import CudaLike  # noqa: E402
 
 aten = torch.ops.aten
 

@@ -134,7 +134,7 @@ from streamsan.analysis.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch.host_memory import staged_write  # noqa: E402
 from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
-from torch_kit import pin  # noqa: E402
+from tests.support.torch_kit import pin  # noqa: E402
 
 SIDE = 1
 
@@ -206,12 +206,10 @@ def test_the_report_explains_a_refill_it_did_not_see_happen():
     """Replayed from an H200 trace of a scheduler refilling a pinned buffer with ``ctypes.memmove`` (tokenspeed's
     overlapping scheduler): the report says the write was inferred and where to synchronize, not that a write
     happened on the copy's line."""
-    from pathlib import Path
-
     from streamsan.replay import replay_trace
+    from tests.support.fixtures import trace
 
-    report = replay_trace(str(Path(__file__).parent / "fixtures" / "gpu" /
-                              "tokenspeed_overlap_fill_host_races_h2d.sstrace"))
+    report = replay_trace(str(trace("real_world_programs/tokenspeed_overlap_fill_host_races_h2d")))
     (race,) = report["races"]
     assert (race["access"]["op"], race["access"]["type"], race["previous_access"]["op"]) == (
         E.UNTRACED_REFILL, "write", "aten::copy_")

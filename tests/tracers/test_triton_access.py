@@ -116,7 +116,7 @@ from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch import device  # noqa: E402
 from streamsan.tracers.torch.cuda_graphs import end_capture  # noqa: E402
 from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
-from torch_kit import cuda_like  # noqa: E402
+from tests.support.torch_kit import cuda_like  # noqa: E402
 
 
 def fake_triton():

@@ -10,6 +10,8 @@ import textwrap
 
 import torch
 
+from tests.support import paths
+
 pytest_plugins = ["pytester"]
 
 INNER = textwrap.dedent("""
@@ -43,7 +45,7 @@ def line_of(marker: str) -> int:
     return next(i for i, text in enumerate(INNER.strip().splitlines(), 1) if marker in text)  # as makepyfile writes it
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(paths.ROOT)
 
 
 def plugin_args():

@@ -20,8 +20,8 @@ import contextlib
 import numpy
 
 import streamsan
-from scenario_kit import cupy_streams as streams
-from scenario_kit import need_cupy, scenario_tests
+from tests.gpu.support.scenario_kit import cupy_streams as streams
+from tests.gpu.support.scenario_kit import need_cupy, scenario_tests
 
 cupy, cupyx = need_cupy()
 

@@ -18,9 +18,9 @@ import numpy
 import torch
 
 import streamsan
-from scenario_kit import cupy_streams as streams
-from scenario_kit import need_cupy, scenario_tests
 from streamsan.tracers.staging import WRITE_SEEN
+from tests.gpu.support.scenario_kit import cupy_streams as streams
+from tests.gpu.support.scenario_kit import need_cupy, scenario_tests
 
 cupy, cupyx = need_cupy()
 

@@ -7,14 +7,13 @@ previous op, current stream role, current op) tuples. CuPy side streams are name
 """
 
 import numpy
-import json
-from pathlib import Path
 
 import torch
 
 import streamsan
-from scenario_kit import cupy_streams as streams
-from scenario_kit import need_cupy, scenario_tests
+from tests.gpu.support.scenario_kit import cupy_streams as streams
+from tests.gpu.support.scenario_kit import need_cupy, scenario_tests
+from tests.support.fixtures import expected
 
 cupy, cupyx = need_cupy()
 
@@ -376,8 +375,8 @@ SCENARIOS = [
     cupy_to_torch_from_dlpack_handoff,
 ]
 # (kind, previous role, previous op, current role, current op) per scenario; shared with the CPU replay test of
-# the traces these scenarios recorded (tests/test_replay_fixtures.py).
-EXPECTED = json.loads((Path(__file__).parent.parent / "fixtures" / "gpu" / "expected_cupy.json").read_text())
+# the traces these scenarios recorded (tests/replay/test_replay_fixtures.py).
+EXPECTED = expected("cupy_scenarios")
 
 
 test_every_scenario_has_an_expectation, test_scenario = scenario_tests(SCENARIOS, EXPECTED, tracer="cupy")

@@ -12,8 +12,8 @@ each program names ("sched", "prelm", "compute", "copy").
 import pytest
 import torch
 
-from scenario_kit import scenario_tests, streams
 from streamsan.tracers.torch.cuda_graphs import GRAPH_NOTE
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
 N = 1 << 16
 BUSY = 2_000_000  # GPU cycles of torch.cuda._sleep: the replay is still running when the program goes on

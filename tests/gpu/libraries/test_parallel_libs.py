@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from tests.gpu.support.scenario_kit import one_process_group
 
-from scenario_kit import one_process_group
 
 if not dist.is_available() or not dist.is_nccl_available():
     pytest.skip("needs NCCL", allow_module_level=True)

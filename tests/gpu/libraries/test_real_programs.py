@@ -5,8 +5,8 @@ and any exception a bug of streamsan's (the programs run untraced first, so a br
 
 import pytest
 import torch
+from tests.gpu.support.scenario_kit import findings_of, untraced_then_traced
 
-from scenario_kit import findings_of, untraced_then_traced
 
 
 def imagenet_style_training():

@@ -1,8 +1,8 @@
 """Small programs run under each CUDA allocator configuration by test_allocator_backends.py, in a child process
 (PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA starts; ``STREAMSAN_TEST_ALLOCATOR``: a shared library whose
-``ss_alloc`` / ``ss_free`` become PyTorch's CUDA allocator): four of test_torch_scenarios.py's and one of its own.
-Prints one JSON line: the allocator backend, the torch tracer's notes, and per program the (kind, previous op,
-current op) of each finding and the ALLOC / FREE events the session saw."""
+``ss_alloc`` / ``ss_free`` become PyTorch's CUDA allocator): four of tests/gpu/torch/test_torch_scenarios.py's
+and one of its own. Prints one JSON line: the allocator backend, the torch tracer's notes, and per program the
+(kind, previous op, current op) of each finding and the ALLOC / FREE events the session saw."""
 
 import collections
 import json
@@ -10,15 +10,14 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # (the repository root: run as a script)
 
 import torch  # noqa: E402
 
 import streamsan  # noqa: E402
 from streamsan import events as E  # noqa: E402
-from test_torch_scenarios import (alloc_reuse_on_other_stream, missing_record_stream,  # noqa: E402
-                                  record_stream_right, write_default_then_side_write)
+from tests.gpu.torch.test_torch_scenarios import (alloc_reuse_on_other_stream, missing_record_stream,  # noqa: E402
+                                                  record_stream_right, write_default_then_side_write)
 
 BIG = (5 << 18) + 1024
 

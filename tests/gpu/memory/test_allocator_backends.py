@@ -1,5 +1,5 @@
-"""The same programs under PyTorch's CUDA allocator configurations (tests/gpu/alloc_backend_programs.py, one child
-process each): the native caching allocator, with expandable segments, the cudaMallocAsync backend and a program's
+"""The same programs under PyTorch's CUDA allocator configurations (tests/gpu/memory/alloc_backend_programs.py, one
+child process each): the native caching allocator, with expandable segments, the cudaMallocAsync backend and a program's
 own stream-ordered allocator (stream_ordered_alloc.c), the last two reporting no allocations or frees (streamsan
 declares each op's new outputs and learns their frees from their storages, docs/semantics.md); and every scenario
 table of tests/gpu under cudaMallocAsync."""
@@ -74,16 +74,16 @@ def test_findings_under_each_allocator(conf, tmp_path):
 
 
 # Every scenario table, with its module's UNDER_CUDA_MALLOC_ASYNC exceptions (scenario_kit.scenario_tests).
-TABLES = sorted(p.name for p in Path(__file__).parent.glob("test_*.py")
+GPU_TESTS = Path(__file__).resolve().parents[1]
+TABLES = sorted(p.relative_to(GPU_TESTS).as_posix() for p in GPU_TESTS.rglob("test_*.py")
                 if "scenario_tests(" in p.read_text() and p.name != Path(__file__).name)
 
 
 def test_every_scenario_table_under_cuda_malloc_async():
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
     env.pop("STREAMSAN_RECORD_DIR", None)
-    here = Path(__file__).parent
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rf",
-                          *[str(here / t) for t in TABLES]], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=here.parent.parent)
+                          *[str(GPU_TESTS / t) for t in TABLES]], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=GPU_TESTS.parents[1])
     assert len(TABLES) >= 15, TABLES
     assert out.returncode == 0, out.stdout[-6000:]

@@ -32,8 +32,8 @@ import contextlib
 import numpy
 import pytest
 import torch
+from tests.gpu.support.scenario_kit import cupy_streams, scenario_tests, streams
 
-from scenario_kit import cupy_streams, scenario_tests, streams
 
 try:
     import cupy

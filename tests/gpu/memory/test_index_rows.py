@@ -15,8 +15,8 @@ is kept busy first, so the unordered work really overlaps.
 
 import pytest
 import torch
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
-from scenario_kit import scenario_tests, streams
 
 BLOCKS, BLOCK, DIM = 32, 16, 64
 BUSY = 2_000_000

@@ -17,8 +17,8 @@ on a view write only the view's elements.
 """
 
 import torch
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
-from scenario_kit import scenario_tests, streams
 
 N = 1 << 12  # small enough that every strided pair here is decided element-exactly
 R, C = 64, 64  # a row-major matrix: row r is contiguous, column c has stride C

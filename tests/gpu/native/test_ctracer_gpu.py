@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import summarize
+from tests.gpu.support.scenario_kit import summarize
 
 try:
     from streamsan import _ctracer

@@ -1,4 +1,4 @@
-"""The native observer on CUDA: the CPU differential (tests/native_kit.py) on CUDA tensors on two streams, with
+"""The native observer on CUDA: the CPU differential (tests/support/native_kit.py) on CUDA tensors on two streams, with
 each record's stream the current stream at the op; backward on the autograd engine's device thread; and the
 GPU-trace events taken through PyTorch's trace slot (native_trace_program.py, in processes of their own), in
 order with the ops by sequence number. Each test prints a short summary (``pytest -s`` shows it).
@@ -14,11 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from native_kit import compare, observe  # noqa: E402
-
 from streamsan.native import observer, records  # noqa: E402
+from tests.support.native_kit import compare, observe  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 F = torch.nn.functional

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-HERE = Path(__file__).parent / "programs"
+HERE = Path(__file__).parent
 EXPECTED = json.loads((HERE / "expected.json").read_text())
 NOTES = EXPECTED.pop("_notes")
 VARIES = EXPECTED.pop("_varies")

@@ -26,8 +26,8 @@ finding with a count. Stream roles: "default" (the current stream), "host", and 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
-from scenario_kit import scenario_tests, streams
 
 
 # ------------------------------------------------------------------ DataLoader batch edited on the host during H2D

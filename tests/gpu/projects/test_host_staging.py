@@ -21,8 +21,8 @@ import numpy
 import pytest
 import torch
 
-from scenario_kit import scenario_tests, streams
 from streamsan.tracers.staging import WRITE_SEEN
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
 SLOTS = 64
 STEPS = 3

@@ -15,8 +15,8 @@ rows an ``index_copy_`` writes is in device memory, which streamsan never reads.
 """
 
 import torch
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
-from scenario_kit import scenario_tests, streams
 
 
 # ------------------------------------------------------------------ persistent pinned input buffers (H2D)

@@ -19,8 +19,8 @@ import io
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
-from scenario_kit import scenario_tests, streams
 
 N = 1 << 16
 

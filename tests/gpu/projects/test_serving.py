@@ -17,8 +17,8 @@ side streams each program names ("shared_experts", "prefetch", "sampling", "expe
 """
 
 import torch
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
-from scenario_kit import scenario_tests, streams
 
 
 # ------------------------------------------------------------------ FlashInfer plan(): the pinned int workspace

@@ -29,8 +29,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
-from scenario_kit import scenario_tests, streams
 
 N = 1 << 16
 STEPS = 3

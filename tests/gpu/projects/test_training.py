@@ -14,8 +14,8 @@ import math
 
 import torch
 from torch.utils._mode_utils import no_dispatch
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
-from scenario_kit import scenario_tests, streams
 
 N = 1 << 16
 

@@ -1,5 +1,5 @@
-"""What the table-driven GPU scenario modules share: named side streams, the two tests every such module has,
-and a one-process NCCL group."""
+"""What the table-driven GPU scenario modules share: named side streams, the two tests every such module has, the
+summary of a session's findings they compare, and a one-process NCCL group."""
 
 import os
 import socket
@@ -19,6 +19,16 @@ def streams(*names, make=None):
         s = make() if make is not None else torch.cuda.Stream()
         streamsan.name_stream(s, n)
         out.append(s)
+    return out
+
+
+def summarize(session):
+    """(kind, previous role, previous op, current role, current op) of each finding, in order."""
+    a = session.analyzer
+    out = []
+    for f in session.findings:
+        out.append((f.kind, a.agents[f.previous.agent].name, f.previous.name, a.agents[f.current.agent].name,
+                    f.current.name))
     return out
 
 

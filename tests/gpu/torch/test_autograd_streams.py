@@ -10,7 +10,7 @@ exactly what users write. Same table-driven style as test_torch_scenarios.py.
 import torch
 
 import streamsan
-from scenario_kit import scenario_tests
+from tests.gpu.support.scenario_kit import scenario_tests
 
 N = 1 << 16
 

@@ -4,8 +4,8 @@ stream, so using its tensor before ``work.wait()`` races and after it is clean."
 import pytest
 import torch
 import torch.distributed as dist
+from tests.gpu.support.scenario_kit import one_process_group
 
-from scenario_kit import one_process_group
 
 N = 1 << 16
 

@@ -6,8 +6,8 @@ reported (the cases use one stream)."""
 import pytest
 import torch
 from torch.utils._pytree import tree_map
+from tests.gpu.support.scenario_kit import findings_of, untraced_then_traced
 
-from scenario_kit import findings_of, untraced_then_traced
 
 
 class LegacyWrapper(torch.Tensor):

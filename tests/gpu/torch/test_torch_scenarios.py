@@ -4,13 +4,12 @@ Each scenario is a small program; EXPECTED maps it to (kind, previous stream rol
 stream role, current op) tuples. Side streams are named "side" / "side2" with streamsan.name_stream.
 """
 
-import json
-from pathlib import Path
 
 import torch
 
 import streamsan
-from scenario_kit import scenario_tests, streams
+from tests.gpu.support.scenario_kit import scenario_tests, streams
+from tests.support.fixtures import expected
 
 N = 1 << 16
 
@@ -381,8 +380,8 @@ SCENARIOS = [
     tolist_after_async_d2h, numpy_after_async_d2h, tolist_after_event_synchronize,
 ]
 # (kind, previous role, previous op, current role, current op) per scenario; shared with the CPU replay test of
-# the traces these scenarios recorded (tests/test_replay_fixtures.py).
-EXPECTED = json.loads((Path(__file__).parent.parent / "fixtures" / "gpu" / "expected.json").read_text())
+# the traces these scenarios recorded (tests/replay/test_replay_fixtures.py).
+EXPECTED = expected("torch_scenarios")
 
 
 # The memory is x's again, freed and allocated on the default stream: the side stream's write races with that

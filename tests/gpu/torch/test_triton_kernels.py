@@ -9,8 +9,8 @@ program names ("side", "side2"). Skipped without Triton.
 import pytest
 import torch
 
-from scenario_kit import scenario_tests, streams
 from streamsan.tracers.torch.patches.compile import COMPILE_NOTE
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")

@@ -11,10 +11,13 @@ import sys
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
-from transformers_lines import CAT_K, CAT_V, OFFLOAD_K, OFFLOAD_V, PREFETCH_K, PREFETCH_V  # noqa: E402
+from tests.support import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+transformers = pytest.importorskip("transformers")
+
+from tests.gpu.support.transformers_lines import CAT_K, CAT_V, OFFLOAD_K, OFFLOAD_V, PREFETCH_K, PREFETCH_V  # noqa: E402
+
+ROOT = str(paths.ROOT)
 EXAMPLE = os.path.join(ROOT, "examples", "transformers_offloaded_cache.py")
 
 

@@ -27,10 +27,11 @@ if int(transformers.__version__.split(".")[0]) != 5:
     pytest.skip("written against transformers 5.x", allow_module_level=True)
 
 import streamsan  # noqa: E402
+from tests.gpu.support.transformers_lines import (CAT_K, CAT_V, OFFLOAD_K, OFFLOAD_V, PREFETCH_K,  # noqa: E402
+                                                  PREFETCH_V, line_of)
 from transformers.generation import utils as generation_utils  # noqa: E402
 from transformers.integrations import sdpa_attention  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
-from transformers_lines import CAT_K, CAT_V, OFFLOAD_K, OFFLOAD_V, PREFETCH_K, PREFETCH_V, line_of  # noqa: E402
 
 PROMPT = 8
 NEW = 4  # generated tokens: one prefill forward and three decode forwards

@@ -7,23 +7,19 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from streamsan import events as E  # noqa: E402
-from streamsan.agents import StreamRegistry  # noqa: E402
-from streamsan.analysis.analyzer import Analyzer  # noqa: E402
-from streamsan.sink import EventBuffer  # noqa: E402
-from streamsan.tracers import pinned_numpy  # noqa: E402
-from streamsan.tracers.cupy import active, analyses, annotations  # noqa: E402
-from streamsan.tracers.cupy.tracer import CupyTracer  # noqa: E402
-from streamsan.tracers.pinned_numpy import pinned_class, strided_range  # noqa: E402
-from streamsan.tracers.staging import WRITE_SEEN  # noqa: E402
+from streamsan import events as E
+from streamsan.agents import StreamRegistry
+from streamsan.analysis.analyzer import Analyzer
+from streamsan.sink import EventBuffer
+from streamsan.tracers import pinned_numpy
+from streamsan.tracers.cupy import active, analyses, annotations
+from streamsan.tracers.cupy.tracer import CupyTracer
+from streamsan.tracers.pinned_numpy import pinned_class, strided_range
+from streamsan.tracers.staging import WRITE_SEEN
+from tests.support.paths import ROOT
 
 # A meta-path finder that makes ``import torch`` fail as if torch were not installed.
 BLOCK_TORCH = textwrap.dedent("""

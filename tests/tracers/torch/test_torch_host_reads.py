@@ -12,7 +12,7 @@ from streamsan.analysis.analyzer import Analyzer  # noqa: E402
 from streamsan.analysis.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
-from torch_kit import SIDE, pin, traced_after_copy  # noqa: E402
+from tests.support.torch_kit import SIDE, pin, traced_after_copy  # noqa: E402
 
 
 # (tracer, analyzer, pinned tensor): its memory was just written by a copy on stream SIDE

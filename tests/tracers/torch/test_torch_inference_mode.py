@@ -13,7 +13,7 @@ from streamsan.analysis.findings import HOST_DEVICE  # noqa: E402
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch.rules import OpPlan  # noqa: E402
 from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
-from torch_kit import SIDE, findings_after, pinned_after_copy, traced_after_copy  # noqa: E402
+from tests.support.torch_kit import SIDE, findings_after, pinned_after_copy, traced_after_copy  # noqa: E402
 
 
 

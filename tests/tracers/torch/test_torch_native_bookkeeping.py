@@ -17,7 +17,7 @@ from streamsan.tracers.torch.callbacks import on_alloc  # noqa: E402
 from streamsan.tracers.torch.engine import ENGINE_CALLBACK, engine_stack  # noqa: E402
 from streamsan.tracers.torch.patches import storage_resize  # noqa: E402
 from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
-from torch_kit import cuda_like  # noqa: E402
+from tests.support.torch_kit import cuda_like  # noqa: E402
 
 ENGINE_STACK, HOOK_STACK, CONSUMER = 7, 8, 3
 

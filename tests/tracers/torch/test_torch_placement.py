@@ -233,7 +233,7 @@ def test_a_like_factorys_events_stay_apart_from_another_threads(monkeypatch):
     """``ones_like(x)`` of a CUDA tensor reads none of it (no access, so no device among its accesses): it runs on
     x's device, with its own events, whatever another thread does meanwhile. Before, it took the other thread's
     events as its own and moved their allocation before their free."""
-    from torch_kit import cuda_like
+    from tests.support.torch_kit import cuda_like
 
     monkeypatch.setattr(device, "raw_stream", lambda dev: 0x1000)
     got = []

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 from streamsan import events as E  # noqa: E402
 from streamsan.analysis.findings import HOST_DEVICE  # noqa: E402
 from streamsan.tracers.torch.rules import OpPlan  # noqa: E402
-from torch_kit import SIDE, findings_after, pin, pinned_after_copy, traced_after_copy  # noqa: E402
+from tests.support.torch_kit import SIDE, findings_after, pin, pinned_after_copy, traced_after_copy  # noqa: E402
 
 
 
