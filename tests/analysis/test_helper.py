@@ -13,7 +13,7 @@ from streamsan.session import Session
 from streamsan.trace import TraceReader
 from tests.support.fixtures import trace
 
-TRACES = ["torch_scenarios/missing_record_stream", "torch_scenarios/nonblocking_streams_race",
+TRACES = ["torch_scenarios/missing_record_stream", "cupy_scenarios/nonblocking_streams_race",
           "torch_scenarios/wait_stream_right", "torch_scenarios/d2h_then_h2d_pinned_across_streams",
           "collectives_devices_threads_triton/collective-async_allreduce_then_use",
           "collectives_devices_threads_triton/loader_thread_without_handoff_races"]
@@ -39,7 +39,7 @@ def test_the_helper_finds_what_in_process_analysis_finds(name):
     remote, problems = helper.finish()
     assert problems == [] and helper.problem is None
     assert summary(remote) == summary(inline)
-    assert bool(summary(inline)) == (name != "wait_stream_right")  # the comparison means something
+    assert bool(summary(inline)) == (name != "torch_scenarios/wait_stream_right")  # the comparison means something
     assert {a: i.name for a, i in remote.agents.items()} == {a: i.name for a, i in inline.agents.items()}
 
 

@@ -1,4 +1,4 @@
-"""The analyzer against a brute-force oracle of docs/semantics.md (tests/oracle.py), on random valid traces.
+"""The analyzer against a brute-force oracle of docs/semantics.md (tests/support/oracle.py), on random valid traces.
 
 Also a few small hand-written traces that pin down the oracle itself.
 """
@@ -15,7 +15,7 @@ from tests.support.oracle import Oracle, format_trace
 RACE_KINDS = ("device-device", "host-device", "alloc-reuse")
 ADDR_LIMIT = 96  # every block lies inside [0, ADDR_LIMIT) of its space
 N_EVENTS = 3  # event ids 1..N_EVENTS
-REUSE_EDGES = "pair"  # the spec's reading of the deferred-reuse edges (see tests/oracle.py): "pair" | "graph"
+REUSE_EDGES = "pair"  # the spec's reading of the deferred-reuse edges (see tests/support/oracle.py): "pair" | "graph"
 
 
 # ---------------------------------------------------------------------------------------------- generator

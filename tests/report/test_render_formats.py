@@ -1,4 +1,4 @@
-"""SARIF (validated against the official SARIF 2.1.0 schema in tests/data), HTML (self-contained; the notebook
+"""SARIF (validated against the official SARIF 2.1.0 schema in tests/report/data), HTML (self-contained; the notebook
 fragment), Perfetto trace events, and `streamsan show --format` for each."""
 
 from __future__ import annotations

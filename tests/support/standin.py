@@ -5,7 +5,7 @@ gets at ``configure``) so that CPU tensors count as tensors of device 0, on stre
 (or the handle a program puts in :data:`CURRENT_STREAM`), and puts it back after.
 :class:`StandIn` runs programs under the tracer's dispatch mode (with its C core where built) on top of that: each
 fresh output is announced as an allocation through PyTorch's GPU trace registries, as CUDA's allocator would, and
-freed 8 ops later, between ops. ``tests/test_ctracer.py`` compares the C core and the Python path on it, and
+freed 8 ops later, between ops. ``tests/native/test_ctracer.py`` compares the C core and the Python path on it, and
 ``bench/standin.py`` measures the tracer's cost on it without a GPU.
 """
 

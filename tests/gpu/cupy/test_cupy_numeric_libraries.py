@@ -1,4 +1,5 @@
-"""More stream bugs of CuPy-based code, each as a small buggy program and its fix.
+"""Stream bugs of numeric code on CuPy (its linear algebra, FFT and image filters, raw kernels, per-thread default
+streams, events and pool arenas, as cuSignal and cuML use them), each as a small buggy program and its fix.
 
 Every pair reproduces the pattern of a stream bug reported against CuPy itself or a project built on it (cuSignal,
 cuML), named in its docstring with the issue / PR and what raced, or, where no report was found, a common pattern

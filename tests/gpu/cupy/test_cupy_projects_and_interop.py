@@ -1,4 +1,5 @@
-"""Stream bugs of CuPy-based code, each as a small buggy program and its fix.
+"""Stream bugs of projects built on CuPy and of CuPy's boundary with other libraries, each as a small buggy program
+and its fix.
 
 Every pair reproduces the pattern of a real stream bug (named in the docstring: project, issue / PR, what raced) in
 CuPy itself, in code built on it (cuQuantum Python, gpu4pyscf, Chainer) or at the boundary between CuPy and another

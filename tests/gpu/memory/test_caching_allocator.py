@@ -429,7 +429,8 @@ def cupy_stream_waits_torch_before_reallocating():
 def cupy_array_to_torch_outside_producer_stream():
     """``torch.from_dlpack(x)`` called after leaving ``with cs:``: CuPy makes torch's stream wait for its *current*
     stream, now the null stream, not for cs that wrote x, so torch's ``mul_`` may run before the fill (the fixed
-    hand-off, inside ``with cs:``, is cupy_stream_waits_torch_before_reallocating's and test_field_cupy's)."""
+    hand-off, inside ``with cs:``, is cupy_stream_waits_torch_before_reallocating's and
+    tests/gpu/cupy/test_cupy_projects_and_interop.py's)."""
     (cs,) = cupy_streams("cupy_side")
     with cs:
         x = cupy.empty(N, dtype=F32)

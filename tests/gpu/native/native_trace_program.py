@@ -1,4 +1,4 @@
-"""Run by tests/gpu/test_native_observer_gpu.py in a process of its own (PyTorch's GPU-trace slot, once taken, is
+"""Run by tests/gpu/native/test_native_observer_gpu.py in a process of its own (PyTorch's GPU-trace slot, once taken, is
 the process's for good): ``python native_trace_program.py native-first|python-first``. Prints one JSON object.
 
 native-first: installs the observer in the slot, runs allocations, frees, event record / wait / synchronize,

@@ -1,6 +1,8 @@
-"""More stream bugs of real PyTorch-ecosystem code, each as a small buggy program and its fix.
+"""Stream bugs of copies to and from the host around training and serving (activations saved for backward,
+gradients for a CPU optimizer, predictions written to disk, KV blocks loaded), each as a small buggy program and
+its fix, modelled on real PyTorch-ecosystem code.
 
-The patterns here are ones test_field_training.py and test_field_inference.py do not have: activation offloading
+The patterns here are ones test_training.py and test_inference.py do not have: activation offloading
 through ``torch.autograd.graph.saved_tensors_hooks`` whose races involve the backward pass (trl / axolotl, Megatron-LM,
 torchtune), CPU optimizers fed by gradient hooks (torchao, FSDP2's optimizer-in-backward), a prediction writer that
 ``torch.save``s pending device-to-host copies (Lightning) and a KV load racing the zeroing of fresh blocks (vLLM).

@@ -1,6 +1,6 @@
 """Stream bugs of LLM serving engines, each as a small buggy program and its fix.
 
-The patterns here are ones test_field_inference.py, test_field_more.py and test_field_staging.py lack: FlashInfer's
+The patterns here are ones test_inference.py, test_offload_copies.py and test_host_staging.py lack: FlashInfer's
 ``plan()`` refilling its pinned int workspace while the previous plan's copy out of it may be pending (mini-sglang), the
 shared experts of an MoE layer reading ``hidden_states`` on a side stream while the routed experts overwrite it in place
 (vLLM), a synchronization event recorded before the speculative-decoding proposer's work (vLLM), a weight prefetcher

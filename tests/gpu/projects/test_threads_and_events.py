@@ -440,7 +440,7 @@ def _staging_thread(wait_copy_event):
     the main thread, which copies it to the GPU with ``non_blocking=True`` and hands the slot back at once with an
     event recorded after the copy. The producer refills the slot as soon as it has it back (the bug), while the copy
     may still be reading it; or after synchronizing the event (the fix). The single-threaded form of this race is
-    vllm_pinned_inputs_refilled_before_h2d in test_field_inference.py."""
+    vllm_pinned_inputs_refilled_before_h2d in test_inference.py."""
     src = [torch.full((N,), float(i + 1)) for i in range(STEPS)]
     slot = torch.empty(N, pin_memory=True)
     gpu = torch.empty(N, device="cuda")

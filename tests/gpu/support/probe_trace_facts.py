@@ -1,6 +1,6 @@
 """Print which PyTorch GPU trace callbacks (and which aten ops under a dispatch mode) each API fires.
 
-Run on a CUDA machine: ``python tests/gpu/probe_trace_facts.py``. The tracer relies on these facts; re-run on
+Run on a CUDA machine: ``python tests/gpu/support/probe_trace_facts.py``. The tracer relies on these facts; re-run on
 a new torch version. Not a test: it prints a table.
 """
 

@@ -1,6 +1,6 @@
 """CUDA graph captures and replays in the torch tracer, on the CPU: the capture's bookkeeping is driven by hand
 (what the patched ``capture_begin`` / ``capture_end`` do), and a replay runs on a stand-in current stream. The
-GPU half is tests/gpu/test_cuda_graphs.py."""
+GPU half is tests/gpu/graphs/test_cuda_graphs.py."""
 
 import pytest
 

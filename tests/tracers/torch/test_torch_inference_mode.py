@@ -56,7 +56,7 @@ def test_a_copying_composite_op_reads_its_input(traced, convert, op, elements):
 ])
 def test_a_composite_op_that_returns_its_input_touches_nothing(traced, keep):
     """Before: ``dropout`` and ``type_as`` (fresh results by their schemas) read their input and wrote it. The
-    list is what PyTorch's op database's samples show in inference mode (tests/test_torch_schema_audit.py):
+    list is what PyTorch's op database's samples show in inference mode (tests/tracers/torch/test_torch_schema_audit.py):
     composite ops whose result is their input, or a view of it, though their schema says new memory."""
     tracer, analyzer, host = traced
     with torch.inference_mode():
