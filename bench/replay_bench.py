@@ -20,8 +20,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # (streamsan and the tests package of this checkout)
 
 
 def _rss_mb() -> float:
@@ -30,7 +29,7 @@ def _rss_mb() -> float:
 
 
 def one(n: int, churn: int, curve: bool) -> dict:
-    from synth import decode_trace
+    from tests.support.synth import decode_trace
 
     from streamsan.analysis.analyzer import Analyzer
     from streamsan.trace import TraceReader, TraceWriter

@@ -8,7 +8,7 @@ through the tracer's device configuration), and a random tiny Qwen3 decodes on t
 is announced as an allocation through PyTorch's GPU trace registries, as CUDA's allocator would, and freed 8 ops
 later, between ops. Shared hosts make timings noisy; ``--count MODE`` instead runs one decode with callgrind's
 instrumentation switched on (``callgrind_control``), so that the instruction counts of two versions or modes can be
-compared exactly. Modes: those of ``support.standin.StandIn``. ``--offloading`` decodes with a cache that does what
+compared exactly. Modes: those of ``tests.support.standin.StandIn``. ``--offloading`` decodes with a cache that does what
 transformers' ``DynamicCache(offloading=True)`` does at each layer, on two stand-in streams: the default stream waits
 for the prefetch stream (an event record and wait through the GPU trace registries), the next layer is copied on the
 prefetch stream, the layer is updated and then copied on the default stream (the offload), so the event callbacks,
@@ -26,14 +26,13 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, ROOT)  # (streamsan and the tests package of this checkout)
 
 import torch  # noqa: E402
 
 import torch.cuda._gpu_trace as gt  # noqa: E402
 
-from support.standin import CURRENT_STREAM, StandIn, fire, through_slot  # noqa: E402
+from tests.support.standin import CURRENT_STREAM, StandIn, fire, through_slot  # noqa: E402
 
 
 class StandInStream:

@@ -1,25 +1,17 @@
-"""GPU tests: skipped without CUDA. ``STREAMSAN_RECORD_DIR=dir`` also records each scenario's trace there
-(the CPU replay fixtures under tests/fixtures/gpu/ come from such a run)."""
+"""GPU tests: skipped without CUDA. ``STREAMSAN_RECORD_DIR=dir`` also records each scenario's trace there, named
+after the test (the CPU replay fixtures under tests/replay/fixtures/<suite>/ come from such a run)."""
 
 import os
 
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.register_assert_rewrite("scenario_kit")  # its scenario test shows the findings that differ
+pytest.register_assert_rewrite("tests.gpu.support.scenario_kit")  # its scenario test shows the findings that differ
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-
-def summarize(session):
-    """(kind, previous role, previous op, current role, current op) of each finding, in order."""
-    a = session.analyzer
-    out = []
-    for f in session.findings:
-        out.append((f.kind, a.agents[f.previous.agent].name, f.previous.name, a.agents[f.current.agent].name,
-                    f.current.name))
-    return out
+from tests.gpu.support.scenario_kit import summarize  # noqa: E402
 
 
 @pytest.fixture

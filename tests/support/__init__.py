@@ -1,1 +1,1 @@
-"""Harnesses the tests share with the benchmarks (``bench/`` imports them from here)."""
+"""Code the tests share, and share with the benchmarks (``bench/`` imports it as ``tests.support``)."""

@@ -7,7 +7,7 @@ gets at ``configure``) so that CPU tensors count as tensors of device 0, on stre
 fresh output is announced as an allocation through PyTorch's GPU trace registries, as CUDA's allocator would, and
 freed 8 ops later, between ops: through the registries' ``fire_callbacks`` directly, or, after
 :func:`through_slot`, through the interpreter in PyTorch's GPU-trace slot as CUDA code does (the native observer's
-or PyTorch's own). ``tests/test_ctracer.py`` compares the C core and the Python path on it, and
+or PyTorch's own). ``tests/native/test_ctracer.py`` compares the C core and the Python path on it, and
 ``bench/standin.py`` measures the tracer's cost on it without a GPU.
 """
 

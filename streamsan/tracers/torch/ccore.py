@@ -3,7 +3,7 @@
 The C core reads and calls Python objects by name: the protocols below list every attribute and method it may
 touch, on the tracer, its event buffer, its stack table, an op's plan, the known index values, the GPU trace
 registry, tensors and their storages, and the keyword arguments of an op it looks at. Nothing else of the tracer
-is the core's business, so anything not listed can change freely; ``tests/test_ccore_contract.py`` checks the
+is the core's business, so anything not listed can change freely; ``tests/native/test_ccore_contract.py`` checks the
 listing against the names the C source interns.
 
 The constants the core needs (event codes, plan kinds, the field positions of the tuples it reads and makes)

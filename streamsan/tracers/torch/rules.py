@@ -44,7 +44,7 @@ COPIES = frozenset({"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", 
 # Composite ops whose schema does not say what their kernel touches: a result that may be an input itself or a
 # view of it (dropout outside training, type_as to the same dtype, broadcast_tensors), inputs written in place
 # (batch_norm's running statistics). They run through their decomposition (OpPlan.decompose).
-# tests/test_torch_schema_audit.py checks the list against PyTorch's op database.
+# tests/tracers/torch/test_torch_schema_audit.py checks the list against PyTorch's op database.
 SCHEMA_HIDES = frozenset({
     "dropout", "dropout_", "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
     "feature_alpha_dropout", "feature_alpha_dropout_", "type_as", "atleast_1d", "atleast_2d", "atleast_3d",
