@@ -77,7 +77,8 @@ def _load(source, root, compile):
         log = io.StringIO()
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                built = (compile or _compile)(name, Path(source), directory)
+                built = _compile_with_fallback(name, Path(source), directory) if compile is None else \
+                    compile(name, Path(source), directory)
         except Exception as exc:
             (directory / "build.log").write_text(log.getvalue() + f"\n{exc}\n")
             return None, f"the native observer did not build ({_one_line(exc)}; log: {directory / 'build.log'})"
@@ -108,12 +109,24 @@ def _write_stamp(stamp: Path, content: dict) -> None:
     os.replace(tmp, stamp)
 
 
-def _compile(name: str, source: Path, directory: Path) -> Path:
+def _compile_with_fallback(name: str, source: Path, directory: Path) -> Path:
+    """:func:`_compile`; where it fails, again without CPython's internal frame headers (call sites then need the
+    GIL), so that a Python whose internal layout the source does not know still gets the observer."""
+    try:
+        return _compile(name, source, directory)
+    except Exception as first:
+        try:
+            return _compile(name, source, directory, ("-DSTREAMSAN_PUBLIC_FRAMES_ONLY",))
+        except Exception:
+            raise first from None
+
+
+def _compile(name: str, source: Path, directory: Path, extra: tuple = ()) -> Path:
     """Compile with torch's extension builder (which imports the module made); the path of its library."""
     from torch.utils import cpp_extension
 
     sys.modules[name] = cpp_extension.load(name=name, sources=[str(source)], build_directory=str(directory),
-                                           extra_cflags=list(CFLAGS), verbose=False, is_python_module=True)
+                                           extra_cflags=list(CFLAGS + extra), verbose=False, is_python_module=True)
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = directory / (name + suffix)
         if path.is_file():

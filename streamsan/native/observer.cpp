@@ -24,9 +24,9 @@
  * op names and call sites first seen since the last drain.
  */
 #include <Python.h>
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-/* CPython 3.11's frame layout: the call site is read without the GIL (the thread is inside an op, so its frames
- * cannot change under it). */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000 && !defined(STREAMSAN_PUBLIC_FRAMES_ONLY)
+/* CPython 3.11's and 3.12's frame layout: the call site is read without the GIL (the thread is inside an op, so
+ * its frames cannot change under it; PyTorch's bindings release the GIL while the op runs). */
 #define Py_BUILD_CORE
 #include <internal/pycore_frame.h>
 #undef Py_BUILD_CORE
@@ -230,6 +230,9 @@ bool read_frames(FrameKey& key, int depth) {
   PyThreadState* ts = PyGILState_GetThisThreadState();
   if (ts == nullptr || ts->cframe == nullptr) return false;
   for (_PyInterpreterFrame* f = ts->cframe->current_frame; f != nullptr && key.n < depth; f = f->previous) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (f->owner == FRAME_OWNED_BY_CSTACK) continue;  // (3.12's entry frames: no Python code of their own)
+#endif
     if (f->owner != FRAME_OWNED_BY_GENERATOR &&
         f->prev_instr < _PyCode_CODE(f->f_code) + f->f_code->_co_firsttraceable)
       continue;  // (an incomplete frame, as PyEval_GetFrame skips)
