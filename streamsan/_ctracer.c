@@ -1382,8 +1382,9 @@ static PyObject *Callback_vectorcall(PyObject *self, PyObject *const *argv, size
         return PyObject_Vectorcall(c->fallback, argv, nargsf, kwnames);
     PyObject *t = active_tracer(c);
     if (t == Py_None) {
-        /* not tracing: an event record or wait may still be an edge of a CUDA graph being captured (Python's) */
-        if (c->kind == g_cb_event) return PyObject_Vectorcall(c->fallback, argv, nargsf, NULL);
+        /* not tracing: an event record or wait may still be an edge of a CUDA graph being captured, and a free
+         * during a capture is still a free (Python's) */
+        if (c->kind != g_cb_alloc) return PyObject_Vectorcall(c->fallback, argv, nargsf, NULL);
         Py_RETURN_NONE;
     }
     int rc = -1;

@@ -44,6 +44,9 @@ GRAPH          (15, nodes)                      the nodes of one captured CUDA g
                event edges are the graph's dependencies). They are checked against each other only, on clocks of
                their own: a race between them happens inside the graph, at every replay. (Each replay is also an
                OP, ``CUDAGraph.replay``, with all their accesses, in the program's own order.)
+RELEASE        (16, space, start, size, stack)  the allocator handed [start, start + size) back to the driver
+               (``cudaFree`` of its segments, which waits for the whole device): every access of those bytes
+               before it has completed (docs/semantics.md, "Memory handed back to the driver")
 =============  ==========================================================================================
 """
 
@@ -91,10 +94,11 @@ LABEL = 12
 EVENT_DELETE = 13
 NOTE = 14
 GRAPH = 15
+RELEASE = 16
 
 KIND_NAMES = (
     "DEF_STACK", "DEF_CONTEXT", "STREAM", "EVENT_RECORD", "EVENT_WAIT", "STREAM_SYNC", "EVENT_SYNC",
-    "DEVICE_SYNC", "OP", "ALLOC", "FREE", "RECORD_STREAM", "LABEL", "EVENT_DELETE", "NOTE", "GRAPH",
+    "DEVICE_SYNC", "OP", "ALLOC", "FREE", "RECORD_STREAM", "LABEL", "EVENT_DELETE", "NOTE", "GRAPH", "RELEASE",
 )
 
 # STREAM flags
@@ -163,6 +167,10 @@ def label(space: int, start: int, size: int, text: str) -> tuple:
     return (LABEL, space, start, size, text)
 
 
+def release(space: int, start: int, size: int, stack: int = 0) -> tuple:
+    return (RELEASE, space, start, size, stack)
+
+
 def event_delete(event: int) -> tuple:
     return (EVENT_DELETE, event)
 
@@ -223,6 +231,7 @@ _SHAPES = {
     EVENT_DELETE: "i",
     NOTE: "ss",
     GRAPH: "g",
+    RELEASE: "iiii",
 }
 
 # the kinds a GRAPH event's nodes may have

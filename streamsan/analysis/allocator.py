@@ -5,7 +5,8 @@ allocations on its owner stream at once, except that it waits for the work of st
 ``record_stream``. So a freed block whose life saw an access by another, unrecorded stream leaves a
 *pending* access: :class:`AllocatorModel` keeps those per owner stream (and private memory pool, where the
 block came from one) until the owner's next allocation from the same pool, where the analysis decides whether
-they are still unordered (``docs/semantics.md``, "Missing record_stream").
+they are still unordered (``docs/semantics.md``, "Missing record_stream"). Memory the allocator hands back to the
+driver leaves every free list, and its pending accesses with it (:meth:`AllocatorModel.forget_pending`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,18 @@ class AllocatorModel:
     def defer(self, block: Block, accesses: list) -> None:
         """Keep a freed block's accesses still in flight pending until its owner's next allocation from its pool."""
         self.pending.setdefault((block.owner, block.pool), []).append((block, accesses))
+
+    def forget_pending(self, space: int, lo: int, hi: int, only=None) -> None:
+        """Drop the pending foreign accesses of freed blocks with bytes in [lo, hi) of a space (``only``: of that
+        block alone): that memory went back to the driver, which waited for every access of it, and no free list
+        holds it any more."""
+        for key in list(self.pending):
+            kept = [(b, xs) for b, xs in self.pending[key]
+                    if not (b is only if only is not None else b.space == space and b.start < hi and lo < b.end)]
+            if kept:
+                self.pending[key] = kept
+            else:
+                del self.pending[key]
 
     def live_count(self) -> int:
         return sum(len(d) for d in self.live.values())

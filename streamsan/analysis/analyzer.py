@@ -81,6 +81,7 @@ class Analyzer:
             E.EVENT_DELETE: self._event_delete,
             E.NOTE: self._note_event,
             E.GRAPH: self._graph,
+            E.RELEASE: self.lifetimes.release,
         }
 
     # ------------------------------------------------------------------ feeding

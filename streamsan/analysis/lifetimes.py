@@ -4,8 +4,10 @@ An allocation starts a life of its bytes, a free ends it; the shadow memory keep
 survival rule (which accesses of an earlier life stay unordered with a new one: for the caching allocator and the
 pinned host allocator in :meth:`Lifetimes.alloc`, for an allocator that reports no frees in
 :func:`end_unreported_life`) and the missing-record-stream rule (a freed block's foreign access still in flight
-when its owner allocates again: :func:`in_flight_for_owner`) are here. The contract is
-``docs/semantics.md`` ("Allocations, lives and the allocator", "Missing record_stream").
+when its owner allocates again: :func:`in_flight_for_owner`) are here, and memory handed back to the driver, seen
+(RELEASE) or implied by a block that changed stream or pool (:func:`went_through_driver`), after which no earlier
+access of it is pending. The contract is ``docs/semantics.md`` ("Allocations, lives and the allocator", "Memory
+handed back to the driver", "Missing record_stream").
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def allocator_waited_for(x: Access, old_block, space: int) -> bool:
     recorded user's access in that block's own life; any stream's access of pinned memory."""
     return x.agent != HOST and (space == PINNED or (
         old_block is not None and x.agent in old_block.recorded and x.seq >= old_block.seq))
+
+
+def went_through_driver(old_block, owner: int, pool: int, space: int) -> bool:
+    """Whether memory that ``old_block`` held reaches an allocation of ``owner`` from ``pool`` only through the
+    driver: a caching allocator (PyTorch's, in its own or a private pool) hands a freed block only to allocations on
+    the stream it was allocated on, from the pool it came from, so memory that moves to another stream or pool was
+    released (``cudaFree``, which waits for the whole device) and obtained again in between: every earlier access of
+    it has completed. Not for pinned memory, another library's pool or an allocator that reports no frees."""
+    return (old_block is not None and space != PINNED and pool >= 0 and old_block.pool >= 0
+            and (old_block.owner != owner or old_block.pool != pool))
 
 
 def end_unreported_life(seg, h: list, old_block, vc: list) -> None:
@@ -106,6 +118,11 @@ class Lifetimes:
                 alloc.release(ob)
             seg.prev_block = ob
             seg.block = blk
+            if went_through_driver(ob, owner, pool, space):
+                seg.write = seg.reads = None
+                if alloc.pending:
+                    alloc.forget_pending(space, 0, 0, only=ob)
+                continue
             if unreported:
                 end_unreported_life(seg, h, ob, vc)
                 if ob is not None and earlier is not None:
@@ -174,6 +191,26 @@ class Lifetimes:
         pend = [x for x in unwaited if in_flight_for_owner(x, own, h)]
         if pend:
             self.allocator.defer(blk, pend)
+
+    def release(self, ev, _seq: int) -> None:
+        """RELEASE: the allocator handed [start, start + size) back to the driver, which waited for every access of
+        it; the shadow forgets them (nothing later can race with them), and no free list holds the blocks there any
+        more (their pending foreign accesses are dropped; a block still live there had a free that was not seen)."""
+        _, space, start, size, _stack = ev
+        if size <= 0:
+            return
+        end = start + size
+        alloc = self.allocator
+        if alloc.pending:
+            alloc.forget_pending(space, start, end)
+        sh = self.shadow.get(space)
+        if sh is None or not sh.overlapping(start, end):
+            return
+        for seg in sh.cover(start, end):
+            ob = seg.block
+            if ob is not None and not ob.freed:
+                alloc.release(ob)
+            sh.remove(seg)
 
     def block_at(self, space: int, start: int):
         """The live block at start: one starting there, else the one whose shadow range holds it."""

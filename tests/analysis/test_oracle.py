@@ -44,17 +44,17 @@ def traces(draw, reuse_heavy=False, unreported=False):
     spaces = devices + [E.PINNED]
     agents = list(streams)
 
-    live = {sp: {} for sp in spaces}  # space -> start -> (size, owner)
-    freed = {sp: [] for sp in spaces}  # space -> [(start, size)] of blocks freed so far
+    live = {sp: {} for sp in spaces}  # space -> start -> (size, owner, pool)
+    freed = {sp: [] for sp in spaces}  # space -> [(start, size, owner, pool)] of blocks freed so far
 
     def overlaps_live(sp, start, size):
-        return any(start < s + z and s < start + size for s, (z, _o) in live[sp].items())
+        return any(start < s + v[0] and s < start + size for s, v in live[sp].items())
 
     def accessible(agent):
-        out = [(E.PINNED, s, z) for s, (z, _o) in live[E.PINNED].items()]
+        out = [(E.PINNED, s, v[0]) for s, v in live[E.PINNED].items()]
         if agent != E.HOST:
             d = streams[agent]
-            out += [(d, s, z) for s, (z, _o) in live[d].items()]
+            out += [(d, s, v[0]) for s, v in live[d].items()]
         return out
 
     def gen_alloc():
@@ -62,28 +62,30 @@ def traces(draw, reuse_heavy=False, unreported=False):
         if unreported and sp != E.PINNED:
             return gen_unreported_alloc(sp)
         cands = []
-        for fs, fz in freed[sp]:
-            cands.append((fs, fz))  # exact reuse
-            cands.append((fs + fz // 2, fz))  # partial reuse, shifted
-            cands.append((max(0, fs - 4), fz // 2 + 4))  # partial reuse, overlapping the front
-        cands = [(s, z) for s, z in cands if z > 0 and s + z <= ADDR_LIMIT and not overlaps_live(sp, s, z)]
+        for fs, fz, fo, fp in freed[sp]:
+            cands.append((fs, fz, fo, fp))  # exact reuse
+            cands.append((fs + fz // 2, fz, fo, fp))  # partial reuse, shifted
+            cands.append((max(0, fs - 4), fz // 2 + 4, fo, fp))  # partial reuse, overlapping the front
+        cands = [c for c in cands if c[1] > 0 and c[0] + c[1] <= ADDR_LIMIT and not overlaps_live(sp, c[0], c[1])]
+        owner = E.HOST if sp == E.PINNED else draw(st.sampled_from([s for s in agents if streams[s] == sp]))
+        pool = 1 if sp != E.PINNED and draw(st.integers(0, 3)) == 0 else 0  # now and then a private memory pool's
         if cands and draw(st.integers(0, 3)) > 0:
-            start, size = draw(st.sampled_from(cands))
+            start, size, fo, fp = draw(st.sampled_from(cands))
+            if draw(st.booleans()):  # as a caching allocator does: the freed block's stream and pool again
+                owner, pool = fo, fp
         else:
             size = draw(st.sampled_from([4, 8, 12, 16, 24, 32]))
             start = draw(st.integers(0, ADDR_LIMIT - size))
             if overlaps_live(sp, start, size):
                 return None
-        owner = E.HOST if sp == E.PINNED else draw(st.sampled_from([s for s in agents if streams[s] == sp]))
-        live[sp][start] = (size, owner)
-        pool = 1 if sp != E.PINNED and draw(st.integers(0, 3)) == 0 else 0  # now and then a private memory pool's
+        live[sp][start] = (size, owner, pool)
         return E.alloc(sp, start, size, owner, pool=pool)
 
     def gen_unreported_alloc(sp):
         """Over a live block (the same bytes, its second half on, or overlapping its front) or anywhere; the blocks
         it overlaps leave the live set (their frees are not seen)."""
         cands = []
-        for ls, lz in [(ls, lz) for ls, (lz, _o) in live[sp].items()] + freed[sp]:
+        for ls, lz in [(ls, v[0]) for ls, v in live[sp].items()] + [f[:2] for f in freed[sp]]:
             cands += [(ls, lz), (ls + lz // 2, lz), (max(0, ls - 4), lz // 2 + 4)]
         cands = [(s, z) for s, z in cands if z > 0 and s + z <= ADDR_LIMIT]
         if cands and draw(st.integers(0, 3)) > 0:
@@ -91,10 +93,10 @@ def traces(draw, reuse_heavy=False, unreported=False):
         else:
             size = draw(st.sampled_from([4, 8, 12, 16, 24, 32]))
             start = draw(st.integers(0, ADDR_LIMIT - size))
-        for ls in [ls for ls, (lz, _o) in live[sp].items() if ls < start + size and start < ls + lz]:
+        for ls in [ls for ls, v in live[sp].items() if ls < start + size and start < ls + v[0]]:
             del live[sp][ls]
         owner = draw(st.sampled_from([s for s in agents if streams[s] == sp]))
-        live[sp][start] = (size, owner)
+        live[sp][start] = (size, owner, E.UNREPORTED_POOL)
         return E.alloc(sp, start, size, owner, pool=E.UNREPORTED_POOL)
 
     def gen_op():
@@ -117,9 +119,21 @@ def traces(draw, reuse_heavy=False, unreported=False):
         if not blocks:
             return None
         sp, s = draw(st.sampled_from(blocks))
-        size, _owner = live[sp].pop(s)
-        freed[sp].append((s, size))
+        size, owner, pool = live[sp].pop(s)
+        freed[sp].append((s, size, owner, pool))
         return E.free(sp, s)
+
+    def gen_release():
+        """Memory handed back to the driver: a freed block's bytes (or all of them from its start on), none live (never
+        under an allocator that reports no frees, whose tracer sees no releases)."""
+        if unreported:
+            return None
+        cands = [(sp, fs, fz) for sp in devices for fs, fz, _o, _p in freed[sp]]
+        cands += [(sp, fs, ADDR_LIMIT - fs) for sp, fs, _z in cands]
+        cands = [c for c in cands if not overlaps_live(*c)]
+        if not cands:
+            return None
+        return E.release(*draw(st.sampled_from(cands)))
 
     def gen_record_stream():
         blocks = [(sp, s) for sp in devices for s in live[sp]]
@@ -133,6 +147,7 @@ def traces(draw, reuse_heavy=False, unreported=False):
         "alloc": gen_alloc,
         "free": gen_free,
         "record_stream": gen_record_stream,
+        "release": gen_release,
         "record": lambda: E.event_record(draw(st.integers(1, N_EVENTS)), draw(st.sampled_from(agents))),
         "wait": lambda: E.event_wait(draw(st.integers(1, N_EVENTS)), draw(st.sampled_from(agents))),
         "stream_sync": lambda: E.stream_sync(draw(st.sampled_from(agents))),
@@ -140,9 +155,9 @@ def traces(draw, reuse_heavy=False, unreported=False):
         "device_sync": lambda: E.device_sync(draw(st.sampled_from(devices))),
     }
     weighted = (["op"] * 8 + ["alloc"] * 4 + ["free"] * 3 + ["record"] * 2 + ["wait"] * 2 + ["record_stream"] * 2
-                + ["stream_sync", "event_sync", "device_sync"] * sync_level)
+                + ["release"] + ["stream_sync", "event_sync", "device_sync"] * sync_level)
     if reuse_heavy:
-        weighted = ["op"] * 10 + ["alloc"] * 4 + ["free"] * 4 + ["record", "wait"]
+        weighted = ["op"] * 10 + ["alloc"] * 4 + ["free"] * 4 + ["record", "wait", "release"]
     n_body = draw(st.integers(max(0, 5 - len(evs)), 60 - len(evs)))
     tries = 0
     while len(evs) < len(streams) + n_body and tries < 4 * n_body + 10:
@@ -416,10 +431,10 @@ def test_oracle_missing_record_stream_waits_for_an_allocation_from_the_blocks_po
 
 
 def test_oracle_reuse_edge_only_from_recorded_users_and_not_from_owner():
-    # S1 owns and writes the block; S2 writes it after reallocation: the owner's old access is not
+    # S1 owns and writes the block; S1 allocates it again and S2 writes it: the owner's old access is not
     # covered by the deferred-reuse edge (recorded users only), so it races as alloc-reuse.
     t = TWO + [E.alloc(0, 0, 8, S1), E.op(S1, "w", writes=[(0, 0, 8)]),  # 3
-               E.free(0, 0), E.alloc(0, 0, 8, S2), E.op(S2, "w2", writes=[(0, 0, 8)])]  # 6
+               E.free(0, 0), E.alloc(0, 0, 8, S1), E.op(S2, "w2", writes=[(0, 0, 8)])]  # 6
     o = Oracle(t)
     assert o.race_pairs == {(0, b, 3, 6) for b in range(8)}
     assert o.classify(3, 6, 0, 0) == ("alloc-reuse", False)
@@ -465,18 +480,44 @@ def test_oracle_pinned_reuse_orders_every_stream():
     assert o.racing_bytes == set() and o.mrs == set()
     # the same with a device block and no record_stream races (owner's access, alloc-reuse)
     t = TWO + [E.alloc(0, 0, 8, S1), E.op(S1, "w", writes=[(0, 0, 8)]),
-               E.free(0, 0), E.alloc(0, 0, 8, S2), E.op(S2, "r", reads=[(0, 0, 8)])]
+               E.free(0, 0), E.alloc(0, 0, 8, S1), E.op(S2, "r", reads=[(0, 0, 8)])]
     assert len(Oracle(t).racing_bytes) == 8
 
 
 def test_oracle_history_survives_frees():
     # a race across lives with no reuse edge (nothing recorded) is reported as alloc-reuse
     t = TWO + [E.alloc(0, 0, 8, S1), E.op(S2, "w", writes=[(0, 0, 8)]), E.free(0, 0),  # op 3
-               E.alloc(0, 4, 8, S2), E.op(S1, "r", reads=[(0, 4, 8)])]  # 6
+               E.alloc(0, 4, 8, S1, pool=E.FOREIGN_POOL), E.op(S1, "r", reads=[(0, 4, 8)])]  # 6
     o = Oracle(t)
     assert o.race_pairs == {(0, b, 3, 6) for b in range(4, 8)}
     assert o.classify(3, 6, 0, 4) == ("alloc-reuse", False)
-    assert o.mrs == set()  # the next ALLOC of S1 never comes
+    assert o.mrs == set()  # the next ALLOC of S1 from its own pool never comes
+
+
+def test_oracle_memory_handed_back_to_the_driver():
+    # S2's unrecorded write of S1's block, then S1 allocates again: missing record_stream, unless the block went
+    # back to the driver in between (a RELEASE of its bytes), which waited for every access of them
+    base = TWO + [E.alloc(0, 0, 8, S1), E.op(S2, "w", writes=[(0, 0, 8)]), E.free(0, 0)]  # op 3
+    again = [E.alloc(0, 0, 8, S1), E.op(S1, "r", reads=[(0, 0, 8)])]  # op 6 (7 with a RELEASE before it)
+    o = Oracle(base + again)
+    assert o.mrs == {(3, 5)} and o.race_pairs == {(0, b, 3, 6) for b in range(8)}
+    o = Oracle(base + [E.release(0, 0, 8)] + again)
+    assert o.mrs == set() and o.race_pairs == set()
+    # a RELEASE of other bytes changes nothing
+    o = Oracle(base + [E.release(0, 8, 8)] + again)
+    assert o.mrs == {(3, 6)} and o.race_pairs == {(0, b, 3, 7) for b in range(8)}
+    # the block reaches another stream, or another pool, only through the driver: its old accesses are done
+    for owner, pool in ((S2, 0), (S1, 1)):
+        t = TWO + [E.alloc(0, 0, 8, S1), E.op(S1, "w", writes=[(0, 0, 8)]), E.free(0, 0),
+                   E.alloc(0, 0, 8, owner, pool=pool), E.op(S2, "r", reads=[(0, 0, 8)])]
+        assert Oracle(t).race_pairs == set()
+    # ... and the missing-record-stream check of that block is dropped (the owner's next allocation cannot get it)
+    t = base + [E.alloc(0, 0, 8, S2), E.alloc(0, 16, 8, S1)]
+    assert Oracle(t).mrs == set() and Oracle(t).race_pairs == set()
+    # not for another library's pool, nor pinned memory (whose allocator waits for every stream anyway)
+    t = TWO + [E.alloc(0, 0, 8, S1), E.op(S1, "w", writes=[(0, 0, 8)]), E.free(0, 0),
+               E.alloc(0, 0, 8, S2, pool=E.FOREIGN_POOL), E.op(S2, "r", reads=[(0, 0, 8)])]
+    assert len(Oracle(t).racing_bytes) == 8
 
 
 def test_oracle_strided_ranges():

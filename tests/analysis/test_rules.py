@@ -754,10 +754,10 @@ def test_recorded_user_and_owner_old_accesses():
 
 
 def test_history_survives_free_without_reallocation_on_the_same_stream():
-    # P freed by A and handed to an allocation on C (another pool in this model): C's write still sees A's
-    # unordered old write.
+    # P freed by A and handed to an allocation on C from another library's pool (its own free lists, no release
+    # to the driver implied): C's write still sees A's unordered old write.
     evs = streams(A, C) + [alloc(0, BASE, 1 * KB, A), op(A, "fill_", writes=[D(0, 1 * KB)]), free(0, BASE),
-                           alloc(0, BASE, 1 * KB, C), op(C, "zero_", writes=[D(0, 1 * KB)])]
+                           alloc(0, BASE, 1 * KB, C, pool=E.FOREIGN_POOL), op(C, "zero_", writes=[D(0, 1 * KB)])]
     one(evs, ALLOC_REUSE, (A, "fill_"), (C, "zero_"), BASE, BASE + 1 * KB)
 
 
@@ -773,6 +773,64 @@ def test_pinned_memory_without_reuse_is_reported():
     # the same accesses without the free/reallocation: the host write races with A's copy
     evs = pinned2() + [op(A, "copy_d2h", writes=[P(0, 1 * KB)]), host_access("cpu_fill", writes=[P(0, 1 * KB)])]
     one(evs, HOST_DEVICE, (A, "copy_d2h"), (HOST, "cpu_fill"), PIN, PIN + 1 * KB, space=PINNED)
+
+
+# ============================================================================ memory handed back to the driver
+
+
+def test_release_ends_the_pending_missing_record_stream():
+    # mrs_prefix: B's read of P unrecorded. P goes back to the driver (empty_cache's cudaFree, which waits for the
+    # whole device) before A allocates again: nothing is in flight any more, and A's new life over P's bytes is
+    # ordered after B's read.
+    again = [alloc(0, BASE, 1 * KB, A), op(A, "copy_h2d", writes=[D(0, 1 * KB)])]
+    one(mrs_prefix() + again, MISSING_RECORD_STREAM, (B, "cat"), (A, "allocation"), BASE, BASE + 1 * KB)
+    none(mrs_prefix() + [E.release(0, BASE, 2 * KB)] + again)
+
+
+def test_release_of_other_memory_keeps_the_race():
+    # the block lies in a segment that stays (split, another block of it still live): empty_cache releases other
+    # segments only, and the missing record_stream stays a finding
+    again = [alloc(0, BASE, 1 * KB, A), op(A, "copy_h2d", writes=[D(0, 1 * KB)])]
+    a, f = one(mrs_prefix() + [E.release(0, BASE + 2 * KB, 2 * KB)] + again,
+               MISSING_RECORD_STREAM, (B, "cat"), (A, "allocation"), BASE, BASE + 1 * KB)
+    assert f.reused is True
+
+
+def test_release_orders_every_stream_before_the_next_life():
+    # A writes P; P is freed and released; B gets the same bytes from a new segment and reads them: ordered
+    evs = streams(A, B) + [alloc(0, BASE, KB, A), op(A, "fill_", writes=[D(0, KB)]), free(0, BASE),
+                           E.release(0, BASE, KB), alloc(0, BASE, KB, B), op(B, "sum", reads=[D(0, KB)])]
+    none(evs)
+    # a release orders only its own bytes: the same write of a neighbour is still a race
+    evs = streams(A, B) + [alloc(0, BASE, 2 * KB, A), op(A, "fill_", writes=[D(0, 2 * KB)]), free(0, BASE),
+                           E.release(0, BASE, KB), alloc(0, BASE, 2 * KB, A), op(B, "sum", reads=[D(0, 2 * KB)])]
+    one(evs, ALLOC_REUSE, (A, "fill_"), (B, "sum"), BASE + KB, BASE + 2 * KB)
+
+
+@pytest.mark.parametrize("owner, pool", [(B, 0), (A, 3)], ids=["another stream", "another pool"])
+def test_a_block_that_changes_stream_or_pool_went_through_the_driver(owner, pool):
+    # the caching allocator hands a freed block only to its own stream and pool; the same bytes allocated on
+    # another stream or from another pool were released (the free-and-retry before an out-of-memory error, a
+    # graph's pool, a memory pool's end) and obtained again: A's write and B's unrecorded read are done
+    evs = streams(A, B) + [alloc(0, BASE, KB, A), op(A, "fill_", writes=[D(0, KB)]), event_record(1, A),
+                           event_wait(1, B), op(B, "cat", reads=[D(0, KB)]), free(0, BASE), alloc(0, BASE, KB, owner, pool=pool), op(owner, "zero_", writes=[D(0, KB)])]
+    none(evs + [alloc(0, BASE + 4 * KB, 64, A)])  # (A's next allocation: B's read is not pending any more)
+    # a free the tracer did not see: the same, with its note
+    a = none([e for e in evs if e[0] != E.FREE])
+    assert ("warning", "an allocation overlapped live memory (a free was not seen)") in a.notes
+
+
+def test_release_over_a_block_still_live_ends_it():
+    evs = streams(A, B) + [alloc(0, BASE, KB, A), op(A, "fill_", writes=[D(0, KB)]), E.release(0, BASE, KB),
+                           alloc(0, BASE, KB, A), op(B, "zero_", writes=[D(0, KB)])]
+    a = none(evs)
+    assert a.notes == []
+
+
+def test_release_is_a_valid_event():
+    assert E.validate([E.RELEASE, 0, BASE, KB, 0]) == E.release(0, BASE, KB)
+    with pytest.raises(E.BadEvent):
+        E.validate([E.RELEASE, 0, BASE, KB])
 
 
 # ============================================================================ folding
@@ -798,7 +856,8 @@ def test_missing_record_stream_fold_marks_later_reuse():
     (f,) = a.sorted_findings()
     assert f.kind == MISSING_RECORD_STREAM and f.reused is False
     # C waits for A (so A's old copy_h2d is ordered before it), not for B
-    a.feed([alloc(0, BASE, 1 * KB, C), event_record(3, A), event_wait(3, C), op(C, "zero_", writes=[D(0, 1 * KB)])])
+    a.feed([alloc(0, BASE, 1 * KB, C, pool=E.FOREIGN_POOL), event_record(3, A), event_wait(3, C),
+            op(C, "zero_", writes=[D(0, 1 * KB)])])
     fs = a.sorted_findings()
     assert fs == [f]
     check(f, MISSING_RECORD_STREAM, (B, "cat"), (A, "allocation"), BASE, BASE + 1 * KB)
@@ -807,11 +866,12 @@ def test_missing_record_stream_fold_marks_later_reuse():
 
 
 def test_fold_applies_when_the_reuse_precedes_the_report():
-    # P on A written by B (no record_stream), freed; P's bytes go to an allocation on C; then A's next
+    # P on A written by B (no record_stream), freed; P's bytes go to an allocation on C (from another library's
+    # pool: a reporting caching allocator would have handed them over only through the driver); then A's next
     # allocation (elsewhere) reports X = B's copy_; then C reads P without waiting for B. semantics.md: "Races
     # of a reported X with accesses of any later life of b's bytes are folded into this finding".
     evs = streams(A, B, C) + [alloc(0, BASE, KB, A), op(B, "copy_", writes=[D(0, KB)]), free(0, BASE),
-                              alloc(0, BASE, KB, C), alloc(0, BASE + Q_OFF, 64, A),
+                              alloc(0, BASE, KB, C, pool=E.FOREIGN_POOL), alloc(0, BASE + Q_OFF, 64, A),
                               op(C, "sum", reads=[D(0, KB)])]
     a, f = one(evs, MISSING_RECORD_STREAM, (B, "copy_"), (A, "allocation"), BASE, BASE + KB)
     assert [(o.kind, o.folded) for o in a.occurrences] == [(MISSING_RECORD_STREAM, False), (ALLOC_REUSE, True)]
@@ -819,14 +879,15 @@ def test_fold_applies_when_the_reuse_precedes_the_report():
 
 def test_fold_is_per_block():
     # B reads P (A's block) and Q (A's block from pool 7) in one op; both freed. A's next allocation from its own
-    # free lists reports the missing record_stream of P only. C then gets both P's and Q's bytes and writes them:
+    # free lists reports the missing record_stream of P only. C then gets both P's and Q's bytes (from another
+    # library's pool) and writes them:
     # the race on P's bytes is folded into that finding; the same read's race on Q's bytes is a finding of its
     # own (Q's missing record_stream is never reported: A never allocates from pool 7 again).
     q = 4 * KB
     evs = streams(A, B, C) + [alloc(0, BASE, KB, A), alloc(0, BASE + q, KB, A, pool=7),
                               op(B, "cat", reads=[D(0, KB), D(q, KB)]), free(0, BASE), free(0, BASE + q),
                               alloc(0, BASE + Q_OFF, 64, A),
-                              alloc(0, BASE, KB, C), alloc(0, BASE + q, KB, C),
+                              alloc(0, BASE, KB, C, pool=E.FOREIGN_POOL), alloc(0, BASE + q, KB, C, pool=E.FOREIGN_POOL),
                               op(C, "zero_", writes=[D(0, KB)]), op(C, "zero_", writes=[D(q, KB)])]
     a = run(evs)
     fs = a.sorted_findings()

@@ -33,6 +33,11 @@ Readings of docs/semantics.md where the text leaves room (the most literal one i
   again). An access x of that byte made before a is ordered before a and every later access of the byte (pairs)
   if no block held the byte, or if x reaches the latest node (at a) of the host, of L's owner or of a recorded user
   of L. Other accesses keep the graph's order.
+* Memory handed back to the driver: at a RELEASE of a range, and at an ALLOC (of a device pool >= 0) on each byte
+  whose latest life was a block of another owner or of another pool (>= 0), every access of that byte before it
+  is ordered before every access of the byte after it (pairs, in either reading of the deferred-reuse edges), and
+  the freed blocks with bytes in the RELEASE's range (at such an ALLOC: those earlier lives' blocks) leave the
+  pending lists of the missing-record-stream check.
 * EVENT_DELETE is not in the spec's edge table; the oracle ignores it (the generator never emits it).
 * The life of an access to a byte is the latest ALLOC covering that byte (accesses to freed or never
   allocated memory are out of scope; the generator never makes them).
@@ -91,10 +96,12 @@ class Oracle:
         self.free_seq = {}  # block id -> seq of its FREE
         self.allocs = []  # (seq, Block)
         self.unreported_ends = []  # (seq of an unreporting allocator's ALLOC, space, {byte: life it ended})
+        self.driver_ends = []  # (seq of a RELEASE or of an ALLOC that implies one, space, [bytes])
         self._build()
         self._add_reuse_edges()
         self._closure()
         self._unreported_reuse()
+        self._driver_reuse()
         self._missing_record_stream()
         self._races()
 
@@ -171,6 +178,18 @@ class Oracle:
             elif k == E.ALLOC:
                 blk = Block(seq, ev[1], ev[2], ev[3], ev[4], ev[8] if len(ev) > 8 else 0)
                 self.blocks[seq] = blk
+                if blk.space != E.PINNED and blk.pool >= 0:
+                    moved, olds = [], set()
+                    for b in range(blk.start, blk.start + blk.size):
+                        old = life.get((blk.space, b))
+                        ob = self.blocks[old] if old is not None else None
+                        if ob is not None and ob.pool >= 0 and (ob.owner != blk.owner or ob.pool != blk.pool):
+                            moved.append(b)
+                            olds.add(ob)
+                    if moved:
+                        self.driver_ends.append((seq, blk.space, moved))
+                        for key in pending:
+                            pending[key] = [b for b in pending[key] if b not in olds]
                 if blk.pool == E.UNREPORTED_POOL:
                     ended = {b: life.get((blk.space, b)) for b in range(blk.start, blk.start + blk.size)}
                     handing = {old: [self.latest[g] for g in {self.blocks[old].owner} | self.users[old]
@@ -196,6 +215,12 @@ class Oracle:
                 self.free_seq[blk.id] = seq
                 if blk.space != E.PINNED:
                     pending[(blk.owner, blk.pool)].append(blk)
+            elif k == E.RELEASE:
+                space, lo, hi = ev[1], ev[2], ev[2] + ev[3]
+                self.driver_ends.append((seq, space, list(range(lo, hi))))
+                for key in pending:
+                    pending[key] = [b for b in pending[key]
+                                    if not (b.space == space and b.start < hi and lo < b.start + b.size)]
             elif k == E.RECORD_STREAM:
                 blk = live[(ev[1], ev[2])]
                 if ev[3] != blk.owner:  # the caching allocator ignores uses on the allocation stream
@@ -239,6 +264,14 @@ class Oracle:
                     seen_by = handing[old] + [host] if old is not None and host is not None else handing.get(old, [])
                     if old is None or any(self.reaches(x.node, n) for n in seen_by):
                         self.reuse_pairs.update((space, b, x.seq, ys) for ys in later)
+
+    def _driver_reuse(self):
+        """The pairs a release to the driver orders: every access of a byte before it, before every one after."""
+        for r_seq, space, bs in self.driver_ends:
+            for b in bs:
+                accs = self.acc.get((space, b), [])
+                self.reuse_pairs.update((space, b, x.seq, y.seq) for x in accs if x.seq < r_seq
+                                        for y in accs if y.seq > r_seq)
 
     def _closure(self):
         """desc[n]: bitmask of the nodes reachable from n. Every edge goes forward in node order."""

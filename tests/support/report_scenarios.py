@@ -84,13 +84,14 @@ def missing_record_stream() -> list:
 
 
 def alloc_reuse() -> list:
-    """alloc-reuse: a block of the default stream read by prefetch_stream, freed, and allocated again by the
-    side stream (the default stream never allocates again), which writes it."""
+    """alloc-reuse: a block of the default stream read by prefetch_stream, freed, and allocated again on the
+    side stream from another library's pool (no release to the driver is implied; the default stream never
+    allocates again), which writes it."""
     return prologue() + [
         E.alloc(0, 0xA000, 4096, DEFAULT, stack=3, what=WHAT),
         E.op(PREFETCH, "aten::copy_", reads=[(0, 0xA000, 4096)], writes=[(E.PINNED, 0x1000, 4096)], stack=2),
         E.free(0, 0xA000),
-        E.alloc(0, 0xA000, 4096, SIDE, stack=7, what="float32[1024]"),
+        E.alloc(0, 0xA000, 4096, SIDE, stack=7, what="float32[1024]", pool=E.FOREIGN_POOL),
         E.op(SIDE, "aten::fill_", writes=[(0, 0xA000, 4096)], stack=7),
     ]
 

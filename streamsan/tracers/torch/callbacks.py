@@ -62,7 +62,9 @@ class GpuTrace:
 
         def free_callback(ptr):
             t = cls.active
-            if t is not None and t.tracing:
+            # (a block allocated while tracing and freed during a graph capture that tracing began in, still a free:
+            # it goes back to its stream's free lists, not to the graph's pool)
+            if t is not None and (t.tracing or t.graphs.current is not None and t.graphs.current[2]):
                 try:
                     dev = t.live_device.pop(ptr, None)
                     if dev is not None:

@@ -1,12 +1,16 @@
 """CUDA graphs as the torch tracer sees them: the ops captured into a graph (kept as its accesses, and as its nodes
-for the check between them), and each replay, one op on the replaying stream.
+for the check between them), and each replay, one op on the replaying stream, or, where the graph records or waits
+for external events, a sequence of ops, records and waits there (:mod:`.graph_events`).
 """
 
 from __future__ import annotations
 
+import weakref
+
 from ... import events as E
 from ..graphs import GraphAccesses
 from . import device
+from .graph_events import OP_CHUNK, RECORD, replay_plan
 from .host_memory import learn_pinned
 from .tensors import PLAIN, args_ranges, output_ranges, subclass_kind
 
@@ -22,13 +26,36 @@ GRAPH_UNTRACKED = "CUDA graphs: a graph captured while streamsan was not tracing
 class GraphCaptures:
     """CUDA graphs' accesses: the capture in progress, and each captured graph's for its replays."""
 
-    __slots__ = ("current", "accesses")
+    __slots__ = ("current", "accesses", "external_events", "plans", "_kept_plans")
 
     def __init__(self):
         # while a graph is captured: (its reads, its writes, whether tracing was on, its nodes: OP, EVENT_RECORD
         # and EVENT_WAIT events in capture order)
         self.current = None
         self.accesses = GraphAccesses()
+        self.external_events = weakref.WeakSet()  # the torch.cuda.Event(external=True) made while tracing
+        self.plans = weakref.WeakKeyDictionary()  # graph -> its replay plan, where it has external events
+        self._kept_plans: dict = {}  # id(graph) -> (graph, plan), for a graph type without weak references
+
+    def external_handles(self) -> set:
+        """The CUDA event handles of the external events (0: one not created yet)."""
+        return {getattr(e, "cuda_event", 0) for e in list(self.external_events)} - {0}
+
+    def put_plan(self, graph, plan) -> None:
+        try:
+            self.plans[graph] = plan
+        except TypeError:
+            self._kept_plans[id(graph)] = (graph, plan)
+
+    def plan(self, graph):
+        try:
+            plan = self.plans.get(graph)
+        except TypeError:
+            plan = None
+        if plan is None:
+            kept = self._kept_plans.get(id(graph))
+            plan = kept[1] if kept is not None and kept[0] is graph else None
+        return plan
 
 
 def end_capture(tracer, graph) -> None:
@@ -44,6 +71,10 @@ def end_capture(tracer, graph) -> None:
     if graph is None or dev < 0:
         return
     graphs.accesses.put(graph, dev, reads, writes)
+    if graphs.external_events:
+        plan = replay_plan(nodes, graphs.external_handles())
+        if plan is not None:
+            graphs.put_plan(graph, plan)
     if tracer.tracing and len({n[2] if n[0] != E.OP else n[1] for n in nodes}) > 1:  # nodes on several streams
         tracer.emit((E.GRAPH, tuple(nodes)))
 
@@ -94,5 +125,13 @@ def replay(tracer, graph) -> None:
     a = tracer.agent(dev, device.raw_stream(dev))
     tracer.saw_cuda = True
     tracer.index_values.written(writes)
-    tracer.emit((E.OP, a, "CUDAGraph.replay", reads, writes, tracer.stacks.capture(tracer.buffer.events, 2),
-                tracer.ctx, 0))
+    stack = tracer.stacks.capture(tracer.buffer.events, 2)
+    plan = tracer.graphs.plan(graph)
+    if plan is None:
+        tracer.emit((E.OP, a, "CUDAGraph.replay", reads, writes, stack, tracer.ctx, 0))
+        return
+    for item in plan:  # (the graph's own event records and waits, in the replaying stream's order)
+        if item[0] == OP_CHUNK:
+            tracer.emit((E.OP, a, "CUDAGraph.replay", item[1], item[2], stack, tracer.ctx, 0))
+        else:
+            tracer.emit((E.EVENT_RECORD if item[0] == RECORD else E.EVENT_WAIT, item[1], a, stack))

@@ -1,5 +1,6 @@
 """``torch.cuda.CUDAGraph``: ops during a capture are recorded into the graph, not run, so their accesses are kept
-for the graph's replays (:mod:`..cuda_graphs`); each ``replay()`` is one op on the replaying stream.
+for the graph's replays (:mod:`..cuda_graphs`); each ``replay()`` is one op on the replaying stream, with the records
+and waits of the external events it captured (``torch.cuda.Event(external=True)``, learnt when made).
 """
 
 from __future__ import annotations
@@ -61,4 +62,30 @@ def install(tracer):
             fn.__wrapped__ = orig
             setattr(cls, name, fn)
             replaced.add(cls, name, orig)
+    note_external_events(tracer, replaced)
     return replaced.undo
+
+
+def note_external_events(tracer, replaced) -> None:
+    """Patch ``torch.cuda.Event.__new__`` (where it takes ``external``) to keep the external events: their records
+    and waits captured into a graph are nodes of it, run at each replay (:mod:`..graph_events`)."""
+    cls = getattr(torch.cuda, "Event", None)
+    new = cls.__dict__.get("__new__") if cls is not None else None
+    orig = getattr(new, "__func__", new)
+    code = getattr(orig, "__code__", None)
+    if code is None or "external" not in code.co_varnames:
+        return
+    externals = tracer.graphs.external_events
+
+    def __new__(klass, *args, **kwargs):
+        ev = orig(klass, *args, **kwargs)
+        if kwargs.get("external", args[3] if len(args) > 3 else False):
+            try:
+                externals.add(ev)
+            except TypeError:  # (an event type without weak references: its replays stay one op)
+                pass
+        return ev
+
+    __new__.__wrapped__ = orig
+    cls.__new__ = staticmethod(__new__)
+    replaced.add(cls, "__new__", new)
