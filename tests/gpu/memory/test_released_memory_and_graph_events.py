@@ -22,7 +22,7 @@ import inspect
 import pytest
 import torch
 
-from scenario_kit import scenario_tests, streams
+from tests.gpu.support.scenario_kit import scenario_tests, streams
 
 BIG = 8 << 20  # float32 elements: 32 MiB, a segment of its own
 N = 1 << 16

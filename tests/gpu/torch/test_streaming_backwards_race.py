@@ -14,7 +14,7 @@ import streamsan
 
 _spec = importlib.util.spec_from_file_location(
     "streaming_backwards_multiple_streams",
-    Path(__file__).resolve().parents[2] / "examples" / "streaming_backwards_multiple_streams.py")
+    Path(__file__).resolve().parents[3] / "examples" / "streaming_backwards_multiple_streams.py")
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 
