@@ -14,6 +14,27 @@ if not torch.cuda.is_available():
 from tests.gpu.support.scenario_kit import summarize  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def sound_cuda_context(request):
+    """After each test, the process's CUDA context must still work: a device-side assert (a racy program whose race
+    showed, reading garbage as indices) poisons it for every later test of the process. Where that happened, say
+    which test it was and end the process, so that pytest-xdist starts a fresh worker for the rest."""
+    yield
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # (torch.AcceleratorError, or RuntimeError in older torch)
+        if "device-side assert" in str(exc) or "illegal" in str(exc):
+            import sys
+
+            sys.stderr.write(f"\n{request.node.nodeid}: left the CUDA context unusable ({str(exc).splitlines()[0]});"
+                             f" this worker ends here\n")
+            sys.stderr.flush()
+            if os.environ.get("PYTEST_XDIST_WORKER"):
+                os._exit(3)
+            pytest.exit(f"{request.node.nodeid} left the CUDA context unusable", returncode=3)
+        raise
+
+
 @pytest.fixture
 def san(request):
     """Run a scenario under streamsan.watch(), which must see it whole; returns (session, summary)."""
