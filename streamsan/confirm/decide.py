@@ -52,16 +52,12 @@ def _difference(a, b):
     return None
 
 
-def _failed(run: Run) -> str | None:
-    return run.error
-
-
 def decide(baselines: list, perturbed: Run, own_sites=()) -> Decision:
     """The outcome of one finding from its unperturbed runs (at least one) and its perturbed run.
     ``own_sites``: the finding's observed sites (their values varying on their own makes it inconclusive)."""
     base = baselines[0]
     for b in baselines:
-        if _failed(b):
+        if b.error:
             return Decision(INCONCLUSIVE, f"an unperturbed run failed ({b.error})", [], 0)
     codes = sorted({b.exit_code for b in baselines})
     if len(codes) > 1:
@@ -73,7 +69,7 @@ def decide(baselines: list, perturbed: Run, own_sites=()) -> Decision:
     if perturbed.exit_code != base.exit_code:
         return Decision(INCONCLUSIVE, f"the program failed under the delay (exit code {perturbed.exit_code}, "
                         f"{base.exit_code} without it)", [], 0)
-    if _failed(perturbed):
+    if perturbed.error:
         return Decision(INCONCLUSIVE, f"the perturbed run failed ({perturbed.error})", [], 0)
     if perturbed.delayed == 0:
         return Decision(INCONCLUSIVE, "the delayed call site was not reached in the perturbed run", [], 0)

@@ -71,11 +71,11 @@ class Confirmer:
     """Runs ``cmd`` for the probes of a report. ``say``: a callable given one progress line per run."""
 
     def __init__(self, cmd: list, *, delay_ms: float = DEFAULT_DELAY_MS, occurrences: int | None = None,
-                 runner=run_quietly, say=None, env=None):
+                 runner=None, say=None, env=None):
         self.cmd = list(cmd)
         self.delay_ms = delay_ms
         self.occurrences = occurrences
-        self.runner = runner
+        self.runner = runner or run_quietly
         self.say = say or (lambda line: None)
         self.env = env
         self.runs = 0

@@ -75,6 +75,7 @@ class Runtime:
         self._finished = False
         self.torch = None
         self.cupy = None
+        self.mode = None  # the dispatch mode entered on the thread that imported torch
 
     # ------------------------------------------------------------------ matching
     def _matches(self, op: str, frame) -> list:
@@ -109,7 +110,8 @@ class Runtime:
                 return runtime.torch_op(func, args, kwargs or {})
 
         self._mode_class = ConfirmMode
-        ConfirmMode().__enter__()
+        self.mode = ConfirmMode()
+        self.mode.__enter__()
         threading.setprofile(self._thread_start)
         self._at_exit()
 
