@@ -12,6 +12,7 @@ Nothing runs inside a CUDA graph capture (a delay or a checksum there would be c
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
@@ -76,6 +77,7 @@ class Runtime:
         self.torch = None
         self.cupy = None
         self.mode = None  # the dispatch mode entered on the thread that imported torch
+        self._op_names: dict = {}
 
     # ------------------------------------------------------------------ matching
     def _matches(self, op: str, frame) -> list:
@@ -120,8 +122,12 @@ class Runtime:
         self._mode_class().__enter__()
 
     def _torch_name(self, func) -> str:
-        schema = func._schema
-        return schema.name + ("." + schema.overload_name if schema.overload_name else "")
+        """The op's name as the torch tracer writes it (``aten::add.Tensor``), made once per overload."""
+        name = self._op_names.get(func)
+        if name is None:
+            schema = func._schema
+            name = self._op_names[func] = schema.name + ("." + schema.overload_name if schema.overload_name else "")
+        return name
 
     def torch_op(self, func, args, kwargs):
         torch = self.torch
@@ -179,7 +185,7 @@ class Runtime:
         local.depth = 1
         try:
             stream = self._cupy_stream(stream_of(args, kwargs) if stream_of is not None else None)
-            if stream is not None and stream.is_capturing():
+            if _capturing(stream):
                 return fn(*args, **kwargs)
             delay, wanted = self._arrive(hits)
             if delay:
@@ -187,7 +193,7 @@ class Runtime:
             out = fn(*args, **kwargs)
             if wanted:
                 arrays = self._cupy_arrays(out) or self._cupy_arrays(kwargs.get("out")) or self._cupy_arrays(args[:1])
-                with stream if stream is not None else _nothing():
+                with stream if stream is not None else contextlib.nullcontext():
                     value = cupy_checksum(self.cupy, arrays)
                 for site, occ in wanted:
                     self.obs.keep(site, occ, "cupy", value)
@@ -261,11 +267,10 @@ class Runtime:
         os.replace(path + ".tmp", path)
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
+def _capturing(stream) -> bool:
+    try:
+        return bool(stream.is_capturing())
+    except Exception:  # (a CuPy without the query, or a stream it cannot query)
         return False
 
 
