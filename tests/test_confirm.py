@@ -3,6 +3,7 @@ argument errors, and the whole orchestration (number of runs, the report with ea
 schema and renderings) with a fake runner that answers like the bundled transformers example would."""
 
 import copy
+import sys
 import json
 from pathlib import Path
 
@@ -198,3 +199,17 @@ def test_a_run_without_observations_is_inconclusive():
     reasons = {r["confirmation"]["reason"] for r in report["races"]}
     assert reasons == {"an unperturbed run failed (no process wrote observations (is the command a Python program "
                        "that imports torch or cupy?))"}
+
+
+def test_real_runs_start_the_runtime_through_the_bootstrap_and_write_observations(tmp_path):
+    """The default runner on a real Python program that imports torch (no GPU here: no op reaches a site)."""
+    program = tmp_path / "prog.py"
+    program.write_text("import torch\nprint(torch.ones(2).sum().item())\n")
+    fp = race(bundled(), "device-device", OFFLOAD_K)["fingerprint"]
+    lines = []
+    report = Confirmer([sys.executable, str(program)], say=lines.append).confirm(bundled(), [fp])
+    c = race(report, "device-device", OFFLOAD_K)["confirmation"]
+    assert (c["outcome"], c["reason"]) == ("inconclusive", "the delayed call site was not reached in the perturbed run")
+    assert c["delay"]["occurrences"] == 0 and c["runs"] == {"baselines": 2, "perturbed": 1}
+    assert lines == ["run 1: unperturbed", "run 2: unperturbed, again",
+                     f"run 3: 20 ms before aten::_to_copy @ {OFFLOAD_K} on the default stream ({fp})"]
