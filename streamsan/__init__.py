@@ -48,5 +48,13 @@ def cupy_access(kernel, reads=(), writes=(), ignore=(), *, name=None):
     return declare(kernel, reads, writes, ignore, name=name)
 
 
-__all__ = ["Session", "watch", "enable", "disable", "current", "name_stream", "label", "cupy_access",
+def observe(value, name: str) -> None:
+    """Name a tensor's / array's values for ``streamsan confirm`` to compare between its runs (e.g. the logits);
+    does nothing outside a run of ``streamsan confirm``."""
+    from .confirm.runtime import observe as keep
+
+    keep(value, name)
+
+
+__all__ = ["Session", "watch", "enable", "disable", "current", "name_stream", "label", "cupy_access", "observe",
            "__version__"]

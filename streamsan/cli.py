@@ -1,4 +1,4 @@
-"""The ``streamsan`` command: ``wrap``, ``replay``, ``show``, ``merge``.
+"""The ``streamsan`` command: ``wrap``, ``confirm``, ``replay``, ``show``, ``merge``.
 
 Every user error ends with one line ``streamsan: error: ...`` on stderr and an exit code from the table
 from :mod:`streamsan.exitcodes`, never a traceback. Options also come from the environment and pyproject.toml
@@ -25,6 +25,8 @@ from .report.build import version
 from .report.formats import render
 from .report.io import ReportError, load_report, prepare_output, write_report, write_text
 from .report.merge import merge_reports
+from .confirm.orchestrate import DEFAULT_DELAY_MS, Confirmer
+from .confirm.plan import PlanError, plan
 from .report.render_text import count_text, render_text
 from .report.verdict import fail_on_race_exit
 from .status import StatusLine, analysis_progress
@@ -213,10 +215,65 @@ def _wrap_outputs(report: dict, args, rendering: str | None) -> None:
         print(f"streamsan: warning: {where}{e}", file=sys.stderr)
 
 
+def _confirm_options(args) -> None:
+    """Check confirm's options before any run: a bad value is one error line."""
+    if not args.delay_ms > 0:
+        raise UsageError(f"--delay-ms must be a positive number of milliseconds, not {args.delay_ms:g}")
+    if args.occurrences is not None and args.occurrences < 1:
+        raise UsageError(f"--occurrences must be at least 1, not {args.occurrences}")
+
+
+def _confirmed(report: dict, cmd: list, args) -> dict:
+    """The report with each finding's confirmation (streamsan.confirm), progress on stderr."""
+    if not report["races"]:
+        print("streamsan: confirm: no finding to confirm", file=sys.stderr)
+        return report
+    confirmer = Confirmer(cmd, delay_ms=args.delay_ms, occurrences=args.occurrences,
+                          say=lambda line: print(f"streamsan: confirm: {line}", file=sys.stderr))
+    return confirmer.confirm(report, args.finding or ())
+
+
+def cmd_confirm(args) -> int:
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        raise UsageError("confirm needs a command, e.g. 'streamsan confirm -- python train.py'")
+    _confirm_options(args)
+    prepare_output(args.output)
+    if args.report is not None:
+        report = load_report(args.report)
+        plan(report, args.finding or ())  # (an unknown --finding fails before any run)
+    else:
+        report = _traced(cmd, args.scope)
+    report = _confirmed(report, cmd, args)
+    _emit(render_text(report), sys.stderr)
+    write_report(report, args.output)
+    print(f"streamsan: report written to {args.output}", file=sys.stderr)
+    return X.OK
+
+
+def _traced(cmd: list, scope: str) -> dict:
+    """The report of one traced run of cmd, as wrap makes it (for confirm, when no report is given)."""
+    session_dir = tempfile.mkdtemp(prefix="streamsan-")
+    try:
+        rc = wrap.run_command(cmd, wrap.child_env(session_dir, scope))
+        still_running = wrap.wait_for_writers(session_dir)
+        status = StatusLine(sys.stderr)
+        try:
+            report = wrap.collect_report(session_dir, cmd, status, still_running)
+        finally:
+            status.clear()
+        report["exit_status"] = wrap.exit_status(rc)
+        return report
+    finally:
+        shutil.rmtree(session_dir, ignore_errors=True)
+
+
 def cmd_wrap(args) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         raise UsageError("wrap needs a command, e.g. 'streamsan wrap -- python train.py'")
+    if args.confirm:
+        _confirm_options(args)
     prepare_output(args.report)
     rendering = _rendering_path(args)
     if rendering not in (None, "-"):
@@ -235,6 +292,8 @@ def cmd_wrap(args) -> int:
         finally:
             status.clear()
         report["exit_status"] = wrap.exit_status(rc)
+        if args.confirm:
+            report = _confirmed(report, cmd, args)
         _wrap_outputs(report, args, rendering)
         if args.trace:
             try:
@@ -250,6 +309,15 @@ def cmd_wrap(args) -> int:
     if rc != 0:
         return X.SIGNAL - rc if rc < 0 else rc
     return _exit_for(report, args)
+
+
+def _add_confirm_arguments(p) -> None:
+    p.add_argument("--finding", action="append", metavar="FINGERPRINT",
+                   help="confirm only this finding (repeatable; default: every finding, one run each)")
+    p.add_argument("--delay-ms", type=float, default=DEFAULT_DELAY_MS, metavar="MS",
+                   help="milliseconds of GPU delay before each delayed op (default: %(default)g)")
+    p.add_argument("--occurrences", type=int, default=None, metavar="N",
+                   help="delay only the first N occurrences of the call site (default: all)")
 
 
 def _parser() -> _Parser:
@@ -271,7 +339,19 @@ def _parser() -> _Parser:
 
     w = add("wrap", "run a command with every Python process in it traced, then report",
             ("report", "trace", "scope", "output", *REPORT_OPTIONS), cmd_wrap)
+    w.add_argument("--confirm", action="store_true",
+                   help="then confirm each finding: re-run the command with a GPU delay that flips it (see confirm)")
+    _add_confirm_arguments(w)
     w.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run")
+
+    c = add("confirm", "show that findings change the program's values: re-run it with a GPU delay that flips "
+            "each finding's unordered accesses, and compare checksums with unperturbed runs", ("scope",), cmd_confirm)
+    c.add_argument("--report", metavar="REPORT", help="confirm this report's findings (default: trace the command "
+                   "once first, as wrap does)")
+    c.add_argument("-o", "--output", default="streamsan-confirm.json", metavar="OUT",
+                   help="where to write the report with each finding's confirmation (default: %(default)s)")
+    _add_confirm_arguments(c)
+    c.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run")
 
     r = add("replay", "analyze trace files and report", REPORT_OPTIONS, cmd_replay)
     r.add_argument("traces", nargs="+", metavar="TRACE")
@@ -312,7 +392,7 @@ def main(argv=None) -> int:
         return args.run(args)
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else X.OK
-    except (UsageError, TraceError, ReportError, ConfigError, SuppressionError) as e:
+    except (UsageError, TraceError, ReportError, ConfigError, SuppressionError, PlanError) as e:
         print(f"streamsan: error: {e}", file=sys.stderr)
         return X.USAGE
     except OutputError as e:

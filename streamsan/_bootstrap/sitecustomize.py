@@ -2,8 +2,9 @@
 torchrun workers), the way coverage.py measures subprocesses.
 
 ``streamsan wrap`` puts this directory first on ``PYTHONPATH``, so Python's ``site`` imports this module at
-start-up. It (a) calls ``streamsan.session.start_from_env()``, which reads ``STREAMSAN_SESSION_DIR``; a failure
-logs one line and never breaks the program; and (b) imports the ``sitecustomize`` module that this one hides,
+start-up. It (a) calls ``streamsan.session.start_from_env()``, which reads ``STREAMSAN_SESSION_DIR`` (or, in a
+run of ``streamsan confirm``, ``streamsan.confirm.runtime.start_from_env()``, which reads ``STREAMSAN_CONFIRM``);
+a failure logs one line and never breaks the program; and (b) imports the ``sitecustomize`` module that this one hides,
 if any, so the environment's own customization still runs.
 """
 
@@ -21,6 +22,8 @@ def _same_dir(entry: str) -> bool:
 
 
 def _start() -> None:
+    if os.environ.get("STREAMSAN_CONFIRM"):
+        _start_confirm()
     if not os.environ.get("STREAMSAN_SESSION_DIR"):
         return
     try:
@@ -35,6 +38,22 @@ def _start() -> None:
         session.start_from_env()
     except Exception as e:  # never break the traced program
         print(f"streamsan: warning: tracing not started in process {os.getpid()}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+
+
+def _start_confirm() -> None:
+    """A run of ``streamsan confirm``: its runtime (delays and checksums at the planned call sites), not tracing."""
+    try:
+        try:
+            import streamsan.confirm.runtime as runtime
+        except ModuleNotFoundError as e:
+            if e.name != "streamsan":
+                raise
+            sys.path.append(os.path.dirname(os.path.dirname(_HERE)))
+            import streamsan.confirm.runtime as runtime
+        runtime.start_from_env()
+    except Exception as e:  # never break the program
+        print(f"streamsan: warning: confirm not started in process {os.getpid()}: {type(e).__name__}: {e}",
               file=sys.stderr)
 
 

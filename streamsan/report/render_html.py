@@ -9,6 +9,7 @@ from __future__ import annotations
 from html import escape
 
 from .advice import agent_text
+from .confirmation import confirmation_text
 from .environment import environment_rows
 from .render_svg import render_svg
 from .render_text import action, count_text, memory_text, totals_text
@@ -89,8 +90,10 @@ def _finding(i: int, r: dict) -> str:
     if alloc.get("previous_life"):
         reused = "really reused on this run" if alloc.get("reused") else "not reused on this run"
         rows.append(("Earlier allocation", f"{_site(alloc['previous_life'])}; {reused}"))
-    rows += [("Missing edge", _code(r["missing_edge"])), ("Fix", _code(r["fix"])),
-             ("Occurrences", f"{r['count']} · fingerprint <code>{escape(r['fingerprint'])}</code>")]
+    rows += [("Missing edge", _code(r["missing_edge"])), ("Fix", _code(r["fix"]))]
+    if r.get("confirmation"):
+        rows.append(("Confirmation", _code(confirmation_text(r["confirmation"]))))
+    rows += [("Occurrences", f"{r['count']} · fingerprint <code>{escape(r['fingerprint'])}</code>")]
     if r.get("tests"):
         rows.append(("Tests", ", ".join(f"<code>{escape(t)}</code>" for t in r["tests"])))
     dl = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in rows)

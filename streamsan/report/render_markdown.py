@@ -6,6 +6,7 @@ from __future__ import annotations
 from html import escape
 
 from .advice import agent_text
+from .confirmation import confirmation_text
 from .environment import environment_rows
 from .render_text import action, totals_text
 
@@ -92,6 +93,7 @@ def _finding(i: int, r: dict) -> list:
     lines += [
         f"- **Missing edge:** {_prose(r['missing_edge'])}",
         f"- **Fix:** {_prose(r['fix'])}",
+        *([f"- **Confirmation:** {_prose(confirmation_text(r['confirmation']))}"] if r.get("confirmation") else []),
         f"- **Occurrences:** {r['count']} · fingerprint {_code(r['fingerprint'])}",
     ]
     if r.get("tests"):

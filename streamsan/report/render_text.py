@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .advice import agent_text
+from .confirmation import confirmation_text, counts_text
 
 
 def count_text(n: int, noun: str) -> str:
@@ -37,7 +38,7 @@ def finding_text(i: int, r: dict) -> str:
         f"    earlier: {access_text(r['previous_access'])}",
         f"    later:   {access_text(r['access'])}",
         f"    fix: {r['fix']}",
-    ])
+    ] + ([f"    {confirmation_text(r['confirmation'])}"] if r.get("confirmation") else []))
 
 
 def suppressed_text(r: dict) -> str:
@@ -71,6 +72,9 @@ def render_text(report: dict) -> str:
     for n in report.get("notes", []):
         lines.append(f"streamsan: {n['level']}: {n['text']}")
     lines += [suppressed_text(r) for r in report.get("suppressed", [])]
+    confirmed = counts_text(report)
+    if confirmed:
+        lines.append(f"streamsan: {confirmed}")
     for i, r in enumerate(report["races"], 1):
         lines += ["", finding_text(i, r)]
     return "\n".join(lines) + "\n"
