@@ -36,7 +36,7 @@ def outcomes(report):
 
 def test_offloaded_cache_both_hazards_confirmed_and_the_fix_changes_nothing(tmp_path):
     pytest.importorskip("transformers")
-    from transformers_lines import CAT_K, CAT_V, OFFLOAD_K, OFFLOAD_V, PREFETCH_K, PREFETCH_V
+    from tests.gpu.support.transformers_lines import CAT_K, CAT_V, OFFLOAD_K, OFFLOAD_V, PREFETCH_K, PREFETCH_V
 
     racy, racy_path = confirm(tmp_path, "racy", EXAMPLE)
     assert outcomes(racy) == sorted([("device-device", OFFLOAD_K, "confirmed"), ("device-device", OFFLOAD_V, "confirmed"),
@@ -60,7 +60,6 @@ def test_offloaded_cache_both_hazards_confirmed_and_the_fix_changes_nothing(tmp_
 PAIRS = [
     ("lifetime", "side_alloc_stream"),  # missing record_stream: a default-stream allocation reuses h's block
     ("host_sync", "megatron_global_buffer_reuse"),  # a side stream's copy into a buffer the default stream reads
-    ("interop", "cupy_pool_cross_stream_free"),  # CuPy: a pool block freed on one stream, reused by another
 ]
 
 
