@@ -18,6 +18,7 @@ from ... import events as E
 from ...agents import StreamRegistry
 from ...imports import when_imported
 from ...stacks import StackTable
+from ..addresses import DeviceBlocks, LiveMemory
 from ..notes import Notes, warning
 from ..pinned import PinnedBlocks
 from ..pinned_numpy import attach, detach, pinned_types
@@ -42,7 +43,7 @@ class CupyTracer:
     operations only inside :meth:`push_context` regions, while still seeing every synchronization and allocation.
     """
 
-    def __init__(self, buffer, streams=None, stacks=None, scope: str = "full"):
+    def __init__(self, buffer, streams=None, stacks=None, scope: str = "full", memory=None):
         self.buffer = buffer
         self.scope = scope
         self.streams = streams if streams is not None else StreamRegistry(buffer)
@@ -52,8 +53,12 @@ class CupyTracer:
         self.running = False
         self.saw_cuda = False
         self.noted = Notes()  # the notes left so far, keyed by their text
-        self.live: dict = {}  # (device, ptr) -> size of pool blocks allocated while tracing
+        self.live = DeviceBlocks()  # the pool blocks allocated while tracing
         self.pinned_blocks = PinnedBlocks()
+        # the session's live allocations, for integer kernel arguments that point into one
+        self.memory = memory if memory is not None else LiveMemory()
+        self.memory.add_device(self.live)
+        self.memory.add_pinned(self.pinned_blocks)
         self.staged = PinnedStaging(array_address)  # pinned NumPy arrays' bytes as asynchronous copies read them
         self.capturing: set[int] = set()  # agents of streams capturing a CUDA graph
         self._tl = threading.local()
@@ -288,11 +293,11 @@ class CupyTracer:
         except Exception:
             h = 0
         a = self._agent(device_id, h)
-        self.live[(device_id, ptr)] = size
+        self.live.add(device_id, ptr, size)
         self._sink().append((E.ALLOC, device_id, ptr, size, a, self._stack(3), self.ctx, "", E.FOREIGN_POOL))
 
     def _on_free(self, device_id, ptr) -> None:
-        if self.live.pop((device_id, ptr), None) is None or not self.running:
+        if not self.live.remove(ptr) or not self.running:
             return
         self._sink().append((E.FREE, device_id, ptr, 0))
 
