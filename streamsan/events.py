@@ -26,7 +26,9 @@ EVENT_SYNC     (6, event, stack)                the host waits for the event (sy
 DEVICE_SYNC    (7, device, stack)               the host waits for every stream of the device
 OP             (8, agent, name, reads, writes, stack, ctx, flags)   work on a stream (or a host access when
                agent == HOST); reads / writes: tuples of ranges; flags: OP_BLOCKING (the host waits for
-               the stream right after the op: blocking copies, .item(), copies into pageable memory)
+               the stream right after the op: blocking copies, .item(), copies into pageable memory),
+               OP_UNRECORDED (the pinned host allocator does not know of the op's accesses: a kernel reading
+               pinned memory through a raw pointer; it does not wait for them before handing the block out again)
 ALLOC          (9, space, start, size, agent, stack, ctx, what[, pool])   owner stream (HOST for pinned memory);
                what: a short description of the first tensor, e.g. "bfloat16[1, 8, 512, 128]"; pool: the id of
                the private memory pool the block comes from (``torch.cuda.use_mem_pool``), absent or 0 for the
@@ -107,6 +109,7 @@ LEGACY_DEFAULT = 2  # the legacy default (NULL) stream of its device
 
 # OP flags
 OP_BLOCKING = 1
+OP_UNRECORDED = 2
 
 
 def def_stack(stack_id: int, frames) -> tuple:

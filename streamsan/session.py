@@ -29,6 +29,7 @@ from .imports import when_imported
 from .agents import StreamRegistry
 from .sink import EventBuffer
 from .stacks import StackTable
+from .tracers.addresses import LiveMemory
 from .tracers.protocol import Tracer
 
 log = logging.getLogger("streamsan")
@@ -63,6 +64,7 @@ class Session:
             consumers.append(self._feed)
         self.buffer = EventBuffer(consumers)
         self.streams = StreamRegistry(self.buffer)
+        self.memory = LiveMemory()  # the allocations every tracer knows, by address (integer kernel arguments)
         self.stacks = StackTable()
         self.tracers: dict[str, Tracer] = {}
         self.active = False
@@ -146,8 +148,9 @@ class Session:
         tracer = TorchTracer(self.buffer, self.streams, self.stacks, scope=self.scope)
         tracer.on_note = self._note
         self.tracers["torch"] = tracer
+        self.memory.add_pinned(tracer.pinned)
         tracer.start()
-        when_imported("triton", tracer.patch_triton)
+        when_imported("triton", lambda module: tracer.patch_triton(module, self.memory))
 
     def _attach_cupy(self, cupy_module) -> None:
         if not self.active or "cupy" in self.tracers:
@@ -160,7 +163,7 @@ class Session:
             return
         from .tracers.cupy.tracer import CupyTracer
 
-        tracer = CupyTracer(self.buffer, self.streams, self.stacks, scope=self.scope)
+        tracer = CupyTracer(self.buffer, self.streams, self.stacks, scope=self.scope, memory=self.memory)
         self.tracers["cupy"] = tracer
         tracer.start(cupy_module)
 
@@ -184,6 +187,7 @@ class Session:
         """Start as a part of ``outer``: its tracers trace, its analyzer (if it has one) finds."""
         self._outer = outer
         self.tracers, self.buffer, self.streams, self.stacks = outer.tracers, outer.buffer, outer.streams, outer.stacks
+        self.memory = outer.memory
         note = JOINED if outer.analyzes else JOINED_RECORDING
         if self.writer is not None:  # (its events are in the active session's trace, after their definitions)
             self.writer.close()

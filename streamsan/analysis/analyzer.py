@@ -15,7 +15,7 @@ from .clocks import Clocks
 from .findings import Finding, FindingLog
 from .lifetimes import Lifetimes
 from .race import ShadowChecker
-from .shadow import Access, ShadowSpace
+from .shadow import Access, ShadowSpace, UnrecordedAccess
 
 HOST = E.HOST
 
@@ -185,7 +185,8 @@ class Analyzer:
                 t = clocks.enqueue(a)
             self.counts["ops"] += 1
         if writes or reads:
-            acc = Access(a, t[a], seq, name, stack, ctx, reads, writes)
+            acc = (UnrecordedAccess if flags & E.OP_UNRECORDED else Access)(a, t[a], seq, name, stack, ctx, reads,
+                                                                             writes)
             checker = self.checker
             for r in writes:
                 if r[2] > 0:

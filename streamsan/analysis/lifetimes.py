@@ -30,11 +30,22 @@ def in_flight_for_owner(x: Access, own: list, h: list) -> bool:
     return not (knows(own, x) or knows(h, x))
 
 
-def allocator_waited_for(x: Access, old_block, space: int) -> bool:
-    """Whether the allocator waited for an access of an earlier life before handing its memory out again: a
-    recorded user's access in that block's own life; any stream's access of pinned memory."""
-    return x.agent != HOST and (space == PINNED or (
-        old_block is not None and x.agent in old_block.recorded and x.seq >= old_block.seq))
+def allocator_waited_for(x: Access, old_block) -> bool:
+    """Whether the caching allocator waited for an access of an earlier life of device memory before handing it
+    out again: a recorded user's access in that block's own life."""
+    return x.agent != HOST and old_block is not None and x.agent in old_block.recorded and x.seq >= old_block.seq
+
+
+def pinned_survivors(seg):
+    """Which accesses of an earlier life of pinned bytes (``seg``'s) the pinned host allocator did not wait for,
+    as a predicate: the host's, and a stream's access of an ``OP_UNRECORDED`` op (a raw-pointer kernel) unless
+    the same stream accessed those bytes later through an op it knows of (the event it records for that one
+    comes later in the stream's order)."""
+    waited: dict = {}  # stream -> the latest clock of its accesses here that the allocator recorded
+    for x in seg.accesses():
+        if x.agent != HOST and x.recorded_by_pinned_allocator and x.clock > waited.get(x.agent, -1):
+            waited[x.agent] = x.clock
+    return lambda x: x.agent == HOST or x.clock > waited.get(x.agent, -1)
 
 
 def went_through_driver(old_block, owner: int, pool: int, space: int) -> bool:
@@ -134,8 +145,10 @@ class Lifetimes:
             # The survival rule of a reporting allocator (the deferred-reuse edge): an access of an earlier life
             # stays in the shadow unless the host synchronized past it or the allocator waited for it.
             seg.forget_known(h)
-            if space == PINNED or (ob is not None and ob.recorded):
-                seg.retain(lambda x: not allocator_waited_for(x, ob, space))
+            if space == PINNED:
+                seg.retain(pinned_survivors(seg))
+            elif ob is not None and ob.recorded:
+                seg.retain(lambda x: not allocator_waited_for(x, ob))
         if earlier:
             self._allocation_write(space, earlier, owner, stack, ctx, t, seq)
 

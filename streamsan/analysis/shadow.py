@@ -37,12 +37,24 @@ class Access:
         self.writes = writes
         self.strided = strided
 
+    # whether the pinned host allocator waits for this access before it hands its block out again (it records an
+    # event for the copies it serves; :class:`UnrecordedAccess` is the access of an op it knows nothing of)
+    recorded_by_pinned_allocator = True
+
     def ranges_on(self, lo: int, hi: int, write: bool):
         """This access's ranges of the given type that intersect [lo, hi)."""
         return [r for r in (self.writes if write else self.reads) if r[1] < hi and lo < r[1] + r[2]]
 
     def __repr__(self) -> str:
         return f"Access({self.name}@{self.agent}:{self.clock} seq={self.seq})"
+
+
+class UnrecordedAccess(Access):
+    """The access of an op flagged ``OP_UNRECORDED``: the pinned host allocator recorded no event for it (a kernel
+    reading pinned memory through a raw pointer), so it hands the block out again without waiting for it."""
+
+    __slots__ = ()
+    recorded_by_pinned_allocator = False
 
 
 class ShadowRange:

@@ -1,10 +1,23 @@
 """CUDA graphs, for every tracer: work captured into a graph does not run when it is captured but at each launch,
 on the launching stream, as a unit. A tracer keeps the accesses of the calls it saw during a capture and emits
-each launch as one op with them (docs/semantics.md, "Accesses the tracers infer")."""
+each launch as one op with them; a graph whose nodes ran on several streams is also one ``GRAPH`` event after its
+capture, its nodes checked against each other (docs/semantics.md, "Accesses the tracers infer")."""
 
 from __future__ import annotations
 
 import weakref
+
+from .. import events as E
+
+# The context of a graph's nodes that have none of their own (a race between them is one inside the graph)
+NODE_CONTEXT = "captured in a CUDA graph: a race between its nodes happens at every launch"
+
+
+def graph_event(nodes) -> tuple | None:
+    """The ``GRAPH`` event of a capture's nodes (OP, EVENT_RECORD and EVENT_WAIT events in capture order) if they
+    ran on two or more streams (on one, stream order alone orders them: nothing to check), else None."""
+    agents = {n[1] if n[0] == E.OP else n[2] for n in nodes}
+    return E.graph(nodes) if len(agents) > 1 else None
 
 
 def merge_ranges(ranges) -> tuple:

@@ -112,6 +112,8 @@ def traces(draw, reuse_heavy=False, unreported=False):
             size = draw(st.integers(1, bz - off))
             (writes if draw(st.booleans()) else reads).append((sp, bs + off, size))
         flags = E.OP_BLOCKING if agent != E.HOST and sync_level and draw(st.integers(0, 12 // sync_level)) == 0 else 0
+        if agent != E.HOST and draw(st.integers(0, 3)) == 0:
+            flags |= E.OP_UNRECORDED  # (a raw-pointer access the pinned host allocator does not wait for)
         return E.op(agent, "k", reads, writes, flags=flags)
 
     def gen_free():

@@ -50,7 +50,7 @@ from itertools import product
 
 from streamsan import events as E
 
-Access = namedtuple("Access", "seq node agent write life")
+Access = namedtuple("Access", "seq node agent write life unrecorded", defaults=(False,))
 Block = namedtuple("Block", "id space start size owner pool")  # id = seq of the ALLOC
 
 
@@ -171,8 +171,9 @@ class Oracle:
                     for b in bs:
                         touched[(sp, b)] = True
                 self.op_access[seq] = touched
+                unrecorded = bool(flags & E.OP_UNRECORDED)
                 for loc, w in touched.items():
-                    self.acc[loc].append(Access(seq, n, agent, w, life.get(loc)))
+                    self.acc[loc].append(Access(seq, n, agent, w, life.get(loc), unrecorded))
                 if flags & E.OP_BLOCKING:
                     self._new_node(E.HOST, [n])
             elif k == E.ALLOC:
@@ -227,15 +228,21 @@ class Oracle:
                     self.users[blk.id].add(ev[3])
             # DEF_STACK, DEF_CONTEXT, LABEL, EVENT_DELETE, NOTE: nothing
 
-    def _reuse_ordered(self, x, a_seq):
+    def _reuse_ordered(self, x, a_seq, loc):
         """Whether the deferred-reuse edge of the ALLOC at a_seq starts at access x (of a byte it covers)."""
         if x.life is None or x.seq > a_seq:
             return False
         blk = self.blocks[x.life]
         if self.free_seq.get(blk.id, a_seq + 1) > a_seq:  # that life has not ended by this ALLOC
             return False
-        if blk.space == E.PINNED:
-            return x.agent != E.HOST
+        if blk.space == E.PINNED:  # (the pinned allocator waits for the accesses it recorded events for)
+            if x.agent == E.HOST:
+                return False
+            if not x.unrecorded:
+                return True
+            # an unrecorded access: ordered by a later access of its stream there that the allocator recorded
+            return any(z.agent == x.agent and not z.unrecorded and x.seq < z.seq < a_seq
+                       for z in self.acc.get(loc, ()))
         return x.agent in self.users[blk.id]
 
     def _add_reuse_edges(self):
@@ -244,7 +251,7 @@ class Oracle:
             for b in range(blk.start, blk.start + blk.size):
                 accs = self.acc.get((blk.space, b), [])
                 for x in accs:
-                    if not self._reuse_ordered(x, a_seq):
+                    if not self._reuse_ordered(x, a_seq, (blk.space, b)):
                         continue
                     for y in accs:
                         if y.seq > a_seq:

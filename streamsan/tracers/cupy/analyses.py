@@ -205,7 +205,10 @@ def raw_kernel(key):
 
 
 def raw_accesses(t, key, kargs):
-    """Reads/writes of a raw kernel launch: array/MemoryPointer arguments, per the kernel's annotation."""
+    """Reads/writes of a raw kernel launch: array/MemoryPointer arguments, and integers that point into a live
+    allocation (:mod:`..addresses`: from the address to the allocation's end), per the kernel's annotation. A
+    launch that reaches pinned memory through an integer is ``OP_UNRECORDED``: no pinned host allocator knows of
+    it."""
     ann = ACCESSES.get(key)
     nd = t._ndarray
     reads, writes = [], []
@@ -218,7 +221,7 @@ def raw_accesses(t, key, kargs):
             end = int(mem.ptr) + int(mem.size)
             r = (v.device_id, int(v.ptr), end - int(v.ptr)) if end > int(v.ptr) else None
         else:
-            continue
+            r = t.memory.pointed_range(v)
         if r is None:
             continue
         if ann is None:
@@ -229,7 +232,9 @@ def raw_accesses(t, key, kargs):
             reads.append(r)
         else:
             writes.append(r)
-    return reads, writes, 0, None
+    # (pinned ranges come from integers only: a raw kernel takes no NumPy arrays)
+    flags = E.OP_UNRECORDED if any(r[0] == E.PINNED for r in reads + writes) else 0
+    return reads, writes, flags, None
 
 
 def ndarray_base(nd):

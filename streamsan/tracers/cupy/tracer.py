@@ -18,6 +18,8 @@ from ... import events as E
 from ...agents import StreamRegistry
 from ...imports import when_imported
 from ...stacks import StackTable
+from ..addresses import DeviceBlocks, LiveMemory
+from ..graphs import NODE_CONTEXT, GraphAccesses
 from ..notes import Notes, warning
 from ..pinned import PinnedBlocks
 from ..pinned_numpy import attach, detach, pinned_types
@@ -25,6 +27,7 @@ from ..staging import PinnedStaging, host_access, refill_op
 from . import active
 from .patches import (arrays, copies, device, events, graphs, kernels, memory, namespaces, pinned,
                       runtime_copies, runtime_streams, streams)
+from .captures import Captures
 from .placement import place
 from .ranges import array_address, host_range
 
@@ -42,7 +45,7 @@ class CupyTracer:
     operations only inside :meth:`push_context` regions, while still seeing every synchronization and allocation.
     """
 
-    def __init__(self, buffer, streams=None, stacks=None, scope: str = "full"):
+    def __init__(self, buffer, streams=None, stacks=None, scope: str = "full", memory=None):
         self.buffer = buffer
         self.scope = scope
         self.streams = streams if streams is not None else StreamRegistry(buffer)
@@ -52,10 +55,15 @@ class CupyTracer:
         self.running = False
         self.saw_cuda = False
         self.noted = Notes()  # the notes left so far, keyed by their text
-        self.live: dict = {}  # (device, ptr) -> size of pool blocks allocated while tracing
+        self.live = DeviceBlocks()  # the pool blocks allocated while tracing
         self.pinned_blocks = PinnedBlocks()
+        # the session's live allocations, for integer kernel arguments that point into one
+        self.memory = memory if memory is not None else LiveMemory()
+        self.memory.add_device(self.live)
+        self.memory.add_pinned(self.pinned_blocks)
         self.staged = PinnedStaging(array_address)  # pinned NumPy arrays' bytes as asynchronous copies read them
-        self.capturing: set[int] = set()  # agents of streams capturing a CUDA graph
+        self.captures = Captures()  # CUDA graph captures in progress, by the streams in them
+        self.graphs = GraphAccesses()  # each captured graph's accesses, for its launches
         self._tl = threading.local()
         self._undo: list = []  # what stop() calls, the last first: one undo per installed patch module
         self._fresh_streams = 0
@@ -266,8 +274,9 @@ class CupyTracer:
             except Exception as e:
                 self._trouble(f"{name}: {type(e).__name__}: {e}")
                 res = None
-            if self.capturing and agent in self.capturing:
-                res = None  # captured into a graph: it does not run now
+            if res is not None and self.captures.of and self.captures.call(
+                    agent, name, res[0], res[1], self._cur_stack(), self.ctx or self.buffer.context_id(NODE_CONTEXT)):
+                res = ((), (), 0, res[3])  # captured into a graph: it does not run now (its allocations are made)
             if pre or (res is not None and (res[0] or res[1] or res[2])):
                 place(self, inner, agent, name, res, self._cur_stack(), pre)
         finally:
@@ -279,6 +288,23 @@ class CupyTracer:
             buf.flush()
         return out
 
+    # ------------------------------------------------------------------ events and graphs
+    def _event_record(self, event: int, agent: int, stack: int) -> None:
+        """``event`` recorded on the stream of ``agent``: now, or as a node of the capture the stream is in."""
+        if not self.captures.record(event, agent, stack):
+            self._emit((E.EVENT_RECORD, event, agent, stack))
+
+    def _event_wait(self, event: int, agent: int, stack: int) -> None:
+        """The stream of ``agent`` waits on ``event``: now, or as a node of a capture (which it may join)."""
+        if not self.captures.wait(event, agent, stack):
+            self._emit((E.EVENT_WAIT, event, agent, stack))
+
+    def captured_graph(self, graph, cap):
+        """The graph a capture gave, wrapped so that its launches are traced."""
+        traced = graphs.TracedGraph(graph)
+        graphs.ended(self, traced, cap)
+        return traced
+
     # ------------------------------------------------------------------ memory (from the pool's hooks)
     def _on_malloc(self, device_id, ptr, size) -> None:
         if not self.running or not ptr:
@@ -288,11 +314,11 @@ class CupyTracer:
         except Exception:
             h = 0
         a = self._agent(device_id, h)
-        self.live[(device_id, ptr)] = size
+        self.live.add(device_id, ptr, size)
         self._sink().append((E.ALLOC, device_id, ptr, size, a, self._stack(3), self.ctx, "", E.FOREIGN_POOL))
 
     def _on_free(self, device_id, ptr) -> None:
-        if self.live.pop((device_id, ptr), None) is None or not self.running:
+        if not self.live.remove(ptr) or not self.running:
             return
         self._sink().append((E.FREE, device_id, ptr, 0))
 

@@ -12,6 +12,7 @@ import threading
 from ... import events as E
 from ...agents import StreamRegistry
 from ...stacks import StackTable
+from ..addresses import LiveMemory
 from ..indices import IndexValues
 from ..notes import Notes, warning
 from ..pinned import PinnedBlocks
@@ -142,11 +143,16 @@ class TorchTracer:
         if self.running:
             TracingMode(self).__enter__()
 
-    def patch_triton(self, triton_module) -> None:
+    def patch_triton(self, triton_module, memory=None) -> None:
         """Once the program imports Triton: each launch of a ``@triton.jit`` kernel is an op on the stream it runs
-        on (:mod:`.patches.triton`)."""
+        on (:mod:`.patches.triton`); ``memory``: the session's live allocations
+        (:class:`streamsan.tracers.addresses.LiveMemory`), for its integer arguments (by default this tracer's
+        pinned blocks alone)."""
         if self.running:
-            self.undo_patches.append(triton.install(self, triton_module))
+            if memory is None:
+                memory = LiveMemory()
+            memory.add_pinned(self.pinned)
+            self.undo_patches.append(triton.install(self, triton_module, memory))
 
     def plan(self, func) -> OpPlan:
         """The plan of an op overload, made at its first dispatch."""

@@ -278,8 +278,8 @@ def test_a_replay_says_how_it_is_checked(san):
 
 def test_cupy_captured_calls_do_not_run_at_capture(san):
     """CuPy: a call captured into a graph on a non-blocking stream does not read ``x`` then, so the null stream
-    refilling ``x`` right after the capture is no race; CuPy's graphs are not analyzed beyond that (a note says
-    so: ``Graph.launch`` is an extension type's method streamsan cannot see)."""
+    refilling ``x`` right after the capture is no race; the launch after a device synchronization is ordered
+    after the refill (a note says how graphs are checked; tests/gpu/test_cupy_graph_capture.py has the rest)."""
     cupy = pytest.importorskip("cupy")
     if not cupy.cuda.is_available():
         pytest.skip("needs CuPy with a CUDA GPU")

@@ -396,7 +396,7 @@ def test_calls_on_a_capturing_stream_are_not_run_now(tracer):
     (a host-side action) stays; calls on other streams run as usual."""
     t, buf, an = tracer
     side = FakeStream(0xCA0, 0)
-    t.capturing.add(t._agent(0, 0xCA0))
+    t.captures.begin(t._agent(0, 0xCA0), 0)
 
     def fn():
         t._on_malloc(0, 0x6000, 256)
@@ -409,3 +409,5 @@ def test_calls_on_a_capturing_stream_are_not_run_now(tracer):
     t._op("cupy.elsewhere", fn, (), {}, analyze, lambda a, k: FakeStream(0xDD0, 0))
     assert [(ev[0], ev[2] if ev[0] == E.OP else None) for ev in buf.events if ev[0] in (E.OP, E.ALLOC)] == [
         (E.ALLOC, None), (E.ALLOC, None), (E.OP, "cupy.elsewhere")]
+    cap = t.captures.of[t._agent(0, 0xCA0)]
+    assert [n[2] for n in cap.nodes] == ["cupy.captured"] and cap.writes == [(0, 0x6000, 256)]

@@ -21,8 +21,7 @@ def install(tracer):
                 r = orig(e, stream)
                 if t.running:
                     dev, a = t._stream_agent(stream)
-                    if a not in t.capturing:
-                        ev((E.EVENT_RECORD, int(e.ptr), a, t._stack()))
+                    t._event_record(int(e.ptr), a, t._stack())
                 return r
             return functools.wraps(orig)(record)
 

@@ -40,12 +40,13 @@ def install(tracer):
             "streamSynchronize": lambda r, s: (E.STREAM_SYNC, agent(s), t._stack(3)),
             "deviceSynchronize": lambda r: (E.DEVICE_SYNC, t._getDevice(), t._stack(3)),
             "eventSynchronize": lambda r, e: (E.EVENT_SYNC, int(e), t._stack(3)),
-            "eventRecord": lambda r, e, s: (E.EVENT_RECORD, int(e), agent(s), t._stack(3)),
-            "streamWaitEvent": lambda r, s, e, *f: (E.EVENT_WAIT, int(e), agent(s), t._stack(3)),
             "eventQuery": lambda r, e: (E.EVENT_SYNC, int(e), t._stack(3)) if r == 0 else None,
             "streamQuery": lambda r, s: (E.STREAM_SYNC, agent(s), t._stack(3)) if r == 0 else None,
             "eventDestroy": lambda r, e: (E.EVENT_DELETE, int(e)),
         }
+        # (on a capturing stream, nodes of its graph: the tracer decides, and emits)
+        emitted["eventRecord"] = lambda r, e, s: t._event_record(int(e), agent(s), t._stack(3))
+        emitted["streamWaitEvent"] = lambda r, s, e, *f: t._event_wait(int(e), agent(s), t._stack(3))
         for name, make in emitted.items():
             orig = getattr(rt, name, None)
             if orig is not None:

@@ -1,5 +1,5 @@
 """Patch: CuPy's stream methods. ``synchronize`` and ``done`` (when True) are host synchronizations with the
-stream, ``record`` / ``wait_event`` record and wait events, and ``Stream.__init__`` declares a newly created stream
+stream, ``record`` / ``wait_event`` record and wait events (on a capturing stream: nodes of its graph), and ``Stream.__init__`` declares a newly created stream
 (a new agent, with its real flags, named after what its creating line assigns it to).
 
 The current stream is read at each traced call, so ``use()`` and ``with stream:`` need no patch.
@@ -36,8 +36,7 @@ def install(tracer):
                 e = orig(s, event)
                 if t.running:
                     dev, a = t._stream_agent(s)
-                    if a not in t.capturing:  # else a node of the graph
-                        ev((E.EVENT_RECORD, int(e.ptr), a, t._stack()))
+                    t._event_record(int(e.ptr), a, t._stack())
                 return e
             return functools.wraps(orig)(record)
 
@@ -46,8 +45,7 @@ def install(tracer):
                 r = orig(s, event)
                 if t.running:
                     dev, a = t._stream_agent(s)
-                    if a not in t.capturing:
-                        ev((E.EVENT_WAIT, int(event.ptr), a, t._stack()))
+                    t._event_wait(int(event.ptr), a, t._stack())
                 return r
             return functools.wraps(orig)(wait_event)
 
