@@ -118,7 +118,7 @@ torch = pytest.importorskip("torch")
 from streamsan.sink import EventBuffer  # noqa: E402
 from streamsan.tracers.torch import device  # noqa: E402
 from streamsan.tracers.torch.tracer import TorchTracer  # noqa: E402
-from test_triton_access import fake_triton, launchable  # noqa: E402
+from tests.tracers.test_triton_access import fake_triton, launchable  # noqa: E402
 from tests.support.torch_kit import cuda_like  # noqa: E402
 
 
