@@ -103,7 +103,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         seq = self.sequence()
-        site = _site(sys._getframe(1))
+        site = _site(sys._getframe().f_back)  # (None on an engine thread: no Python frame outside)
         inputs = tuple(_tensors(list(args) + list(kwargs.values()), []))
         stream = _current_stream(inputs)
         out = func(*args, **kwargs)

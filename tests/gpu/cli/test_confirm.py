@@ -44,7 +44,8 @@ def test_offloaded_cache_both_hazards_confirmed_and_the_fix_changes_nothing(tmp_
                                      ("missing-record-stream", CAT_V, "confirmed")])
     for r in racy["races"]:
         c = r["confirmation"]
-        assert c["delay"]["stream"] == "the default stream" and c["delay"]["occurrences"] == r["count"] > 1
+        # every occurrence of the earlier call site is delayed: the first steps' too, which race with nothing
+        assert c["delay"]["stream"] == "the default stream" and c["delay"]["occurrences"] >= r["count"] > 1
         assert c["evidence"], c
     prefetched = {(e["op"], e["location"]) for r in racy["races"] if r["kind"] == "device-device"
                   for e in r["confirmation"]["evidence"]}
@@ -65,6 +66,8 @@ PAIRS = [
 
 @pytest.mark.parametrize("area, name", PAIRS, ids=[f"{a}-{n}" for a, n in PAIRS])
 def test_racy_program_confirmed_its_fixed_twin_not(tmp_path, area, name):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # (then its baselines disagree: inconclusive, rightly)
+        pytest.skip("needs the GPU to itself: other tests' load makes these racy programs' values vary unperturbed")
     bug = PROGRAMS / area / f"{name}_bug.py"
     if "import cupy" in bug.read_text():
         cupy = pytest.importorskip("cupy")

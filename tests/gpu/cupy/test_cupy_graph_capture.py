@@ -67,7 +67,8 @@ def _fork_join(read_after_join):
     assert not s1.is_capturing() and not s2.is_capturing()
     g.launch()  # on the current stream: the null stream
     cupy.cuda.Stream.null.synchronize()
-    assert float(total) == pytest.approx(300.0 * N)
+    if read_after_join:  # (read before the join, the sum takes out2 as the replay finds it: any value)
+        assert float(total) == pytest.approx(300.0 * N)
     assert float(out2[0]) == 300.0
 
 

@@ -4,6 +4,7 @@ Each program runs once untraced (so that the caching allocator is warm and hands
 order after), then under ``streamsan.watch()`` with the C tracer and with ``STREAMSAN_CORE=python``. Events are
 compared with pointers renamed in order of first appearance; findings as (kind, roles, ops)."""
 
+import bisect
 import itertools
 import os
 
@@ -64,15 +65,26 @@ def offloaded_decode():
 def canonical(events):
     """Events with pointers, stream handles and event handles renamed in order of first appearance (each run of a
     program gets other streams from PyTorch's pool, and other CUDA events); an event handle deleted and made again
-    is a new name, and deletions are left out (they follow Python's garbage collection)."""
+    is a new name, and deletions are left out (they follow Python's garbage collection). A pointer into memory
+    allocated while tracing is named by its allocation (the how-manieth) and its offset there: whether the pinned
+    allocator hands a block out again depends on whether the GPU finished with it, a matter of timing."""
     names: dict = {}
     handles: dict = {}
     lives = itertools.count()
+    allocations = itertools.count()
+    bases: list = []  # sorted bases of the live allocations
+    live: dict = {}  # base -> (size, name)
 
     def tup(x):
         return tuple(tup(y) for y in x) if isinstance(x, (list, tuple)) else x
 
     def ptr(p):
+        i = bisect.bisect_right(bases, p) - 1
+        if i >= 0:
+            base = bases[i]
+            size, name = live[base]
+            if p == base or p < base + size:
+                return (name, p - base)
         return names.setdefault(p, len(names))
 
     def handle(h):
@@ -80,7 +92,18 @@ def canonical(events):
 
     out = []
     for ev in map(tup, events):
-        if ev[0] in (9, 10, 11, 12):  # ALLOC, FREE, RECORD_STREAM, LABEL
+        if ev[0] == 9:  # ALLOC
+            if ev[2] not in live:
+                bisect.insort(bases, ev[2])
+            live[ev[2]] = (ev[3], f"a{next(allocations)}")
+            ev = ev[:2] + (live[ev[2]][1],) + ev[3:]
+        elif ev[0] == 10:  # FREE
+            name = ptr(ev[2])
+            if ev[2] in live:
+                del live[ev[2]]
+                bases.remove(ev[2])
+            ev = ev[:2] + (name,) + ev[3:]
+        elif ev[0] in (11, 12):  # RECORD_STREAM, LABEL
             ev = ev[:2] + (ptr(ev[2]),) + ev[3:]
         elif ev[0] == 2:  # STREAM
             ev = ev[:3] + (handle(ev[3]),) + ev[4:]
