@@ -5,12 +5,17 @@ one and the user frames outside it), interned to a small integer; the file / lin
 once per distinct stack as a ``DEF_STACK`` event.
 Frames of streamsan itself are skipped. Code objects are kept alive by the table so their ids stay unique.
 Frames are never retained (that would keep tensors alive and change the program's memory behaviour).
+A function another library installed in torch's namespaces in place of torch's own (torch_geometric's
+``torch.index_select``) is torch's API to its callers: its frames are plumbing, left out of the recorded stacks,
+so that a finding stands at the line that called ``torch.index_select``, not in the wrapper every such call
+shares.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from types import CodeType
 
 from . import events as E
 from .analysis.locations import is_library_frame
@@ -21,6 +26,51 @@ _OWN_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 OWN, LIBRARY, USER = 0, 1, 2
+
+
+class _TorchApiWrappers:
+    """The code objects of functions outside torch that are installed in torch's namespaces (``torch``,
+    ``torch.Tensor``, ``torch.nn.functional``). A library installs them when it is imported: they are looked up
+    again when modules were imported since the last look; each code object's answer is kept (for every session),
+    a yes checked again each time (the function may have been put back)."""
+
+    NAMESPACES = ("torch", "torch.nn.functional", "torch.functional")
+
+    def __init__(self):
+        self.modules = -1
+        self.codes: dict = {}  # id(code) -> (namespace, name) where it is installed
+        self.decided: dict = {}  # id(code) -> (code, where it was installed or None)
+
+    def __contains__(self, code) -> bool:
+        known = self.decided.get(id(code))
+        if known is None:
+            if len(sys.modules) != self.modules:
+                self.modules = len(sys.modules)
+                self.codes = {id(c): where for c, where in self._scan()}
+            known = self.decided[id(code)] = (code, self.codes.get(id(code)))
+        where = known[1]
+        return where is not None and getattr(where[0].get(where[1]), "__code__", None) is code
+
+    def _scan(self):
+        spaces = [vars(sys.modules[m]) for m in self.NAMESPACES if m in sys.modules]
+        torch = sys.modules.get("torch")
+        tensor = getattr(torch, "Tensor", None)
+        if isinstance(tensor, type):
+            spaces.append(vars(tensor))
+        for space in spaces:
+            for name, value in list(space.items()):
+                code = getattr(value, "__code__", None)
+                if isinstance(code, CodeType) and not is_library_frame(code.co_filename) \
+                        and not is_own_file(code.co_filename):
+                    yield code, (space, name)
+
+
+TORCH_API_WRAPPERS = _TorchApiWrappers()
+
+
+def is_torch_api_wrapper(code) -> bool:
+    """Whether a code object is a function another library put in torch's namespaces in place of torch's own."""
+    return code in TORCH_API_WRAPPERS
 
 
 def is_own_file(filename: str) -> bool:
@@ -47,6 +97,7 @@ class StackTable:
         self.ids: dict[tuple, int] = {}
         self.codes: dict[int, object] = {}
         self.kinds: dict[int, int] = {}  # id(code) -> OWN, LIBRARY or USER
+        self.wrappers: set[int] = set()  # ids of the torch API wrappers met (LIBRARY, left out of the frames)
         self.fallback = None  # called with the events when a thread has no frame outside streamsan (or 0)
         self.native = None  # outside() in C (set by the torch tracer where its C code is built)
 
@@ -55,6 +106,9 @@ class StackTable:
         cid = id(code)
         self.codes[cid] = code
         k = OWN if is_own_file(code.co_filename) else LIBRARY if is_library_frame(code.co_filename) else USER
+        if k == USER and is_torch_api_wrapper(code):
+            k = LIBRARY
+            self.wrappers.add(cid)
         self.kinds[cid] = k
         return k
 
@@ -146,7 +200,7 @@ class StackTable:
             k = kind.get(id(code))
             if k is None:
                 k = self.classify(code)
-            if k:
+            if k and id(code) not in self.wrappers:
                 frames.append((code.co_filename, f.f_lineno, getattr(code, "co_qualname", code.co_name)))
                 users += k == USER
                 if len(frames) >= self.depth and users >= self.user_depth:

@@ -20,7 +20,7 @@ import threading
 
 from ..analysis.locations import is_library_frame, short_path
 from ..imports import when_imported
-from ..stacks import is_own_file
+from ..stacks import is_own_file, is_torch_api_wrapper
 from .inject import CupyDelay, TorchDelay
 from .observe import Observations, cupy_checksum, torch_checksum
 
@@ -48,6 +48,8 @@ def call_site(frame) -> str:
     first = None
     while frame is not None:
         kind = _kinds[frame.f_code.co_filename]
+        if kind == 2 and is_torch_api_wrapper(frame.f_code):  # (as the stacks of findings leave it out)
+            kind = 1
         if kind == 2:
             return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
         if kind == 1 and first is None:

@@ -93,3 +93,44 @@ def test_a_backward_op_is_located_by_its_node_and_the_backward_call():
               ("/home/me/train.py", 42, "step"))
     assert location(frames, "") == "MulBackward0 (backward() at home/me/train.py:42)"
     assert location(frames[:1], "") == "MulBackward0 (backward)"
+
+
+
+def calls_patched_torch(table, events):
+    import torch
+
+    return torch.index_select(op, table, events)
+
+
+def test_a_torch_function_replaced_by_another_library_is_plumbing(tmp_path, monkeypatch):
+    """torch_geometric replaces ``torch.index_select`` with a function of its own when it is imported: that frame
+    is left out of the stack, so the finding stands where torch.index_select was called (not in the wrapper that
+    every call shares, which would merge them); the key still tells call sites apart. Another function of that
+    library stays what it is."""
+    import sys
+
+    import torch
+
+    from streamsan.analysis.locations import location
+
+    lib = tmp_path / "site-packages" / "fakegeo"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text(
+        "import torch\n\n"
+        "def _new_index_select(f, *a):\n    return f(*a)\n\n"
+        "def helper(f, *a):\n    return f(*a)\n\n"
+        "torch.index_select = _new_index_select\n")
+    monkeypatch.setattr(torch, "index_select", torch.index_select)  # (put back afterwards)
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    monkeypatch.delitem(sys.modules, "fakegeo", raising=False)
+    import fakegeo
+
+    t, evs = StackTable(), []
+    a = calls_patched_torch(t, evs)
+    b = caller_a(t, evs)
+    assert a != b
+    frames = evs[0][2]
+    assert frames[0][2] == "calls_patched_torch" and all("fakegeo" not in f[0] for f in frames)
+    assert location(frames, "?").endswith(f"test_stacks.py:{calls_patched_torch.__code__.co_firstlineno + 3}")
+    fakegeo.helper(op, t, evs)
+    assert evs[-1][2][0][2] == "helper" and "fakegeo" in evs[-1][2][0][0]

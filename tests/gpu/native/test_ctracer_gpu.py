@@ -64,8 +64,9 @@ def offloaded_decode():
 
 def canonical(events):
     """Events with pointers, stream handles and event handles renamed in order of first appearance (each run of a
-    program gets other streams from PyTorch's pool, and other CUDA events); an event handle deleted and made again
-    is a new name, and deletions are left out (they follow Python's garbage collection). A pointer into memory
+    program gets other streams from PyTorch's pool, and other CUDA events); an event is named by its last record (a
+    handle recorded again, or deleted and made again, is a new name), and deletions are left out (they follow
+    Python's garbage collection). A pointer into memory
     allocated while tracing is named by its allocation (the how-manieth) and its offset there: whether the pinned
     allocator hands a block out again depends on whether the GPU finished with it, a matter of timing."""
     names: dict = {}
@@ -110,7 +111,10 @@ def canonical(events):
         elif ev[0] == 13:  # EVENT_DELETE: when Python collects a torch.cuda.Event is not the tracer's business;
             handles.pop(ev[1], None)  # the handle's next use is a new event
             continue
-        elif ev[0] in (3, 4, 6):  # events
+        elif ev[0] == 3:  # EVENT_RECORD: the event is this record from now on (the pinned allocator's pooled
+            handles[ev[1]] = next(lives)  # events come back in an order that depends on what the GPU finished)
+            ev = (ev[0], handles[ev[1]]) + ev[2:]
+        elif ev[0] in (4, 6):  # EVENT_WAIT, EVENT_SYNC: of the event's last record
             ev = (ev[0], handles.setdefault(ev[1], next(lives))) + ev[2:]
         elif ev[0] == 8:  # OP
             ev = ev[:3] + (tuple((r[0], ptr(r[1])) + r[2:] for r in ev[3]),
