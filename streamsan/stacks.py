@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from types import CodeType
+from types import FunctionType
 
 from . import events as E
 from .analysis.locations import is_library_frame
@@ -49,20 +49,22 @@ class _TorchApiWrappers:
                 self.codes = {id(c): where for c, where in self._scan()}
             known = self.decided[id(code)] = (code, self.codes.get(id(code)))
         where = known[1]
-        return where is not None and getattr(where[0].get(where[1]), "__code__", None) is code
+        if where is None:
+            return False
+        now = where[0].get(where[1])
+        return now.__class__ is FunctionType and now.__code__ is code
 
     def _scan(self):
         spaces = [vars(sys.modules[m]) for m in self.NAMESPACES if m in sys.modules]
-        torch = sys.modules.get("torch")
-        tensor = getattr(torch, "Tensor", None)
+        tensor = vars(sys.modules["torch"]).get("Tensor") if "torch" in sys.modules else None
         if isinstance(tensor, type):
             spaces.append(vars(tensor))
         for space in spaces:
             for name, value in list(space.items()):
-                code = getattr(value, "__code__", None)
-                if isinstance(code, CodeType) and not is_library_frame(code.co_filename) \
-                        and not is_own_file(code.co_filename):
-                    yield code, (space, name)
+                if value.__class__ is FunctionType:  # (no attribute lookups: a module's __getattr__ may import)
+                    code = value.__code__
+                    if not is_library_frame(code.co_filename) and not is_own_file(code.co_filename):
+                        yield code, (space, name)
 
 
 TORCH_API_WRAPPERS = _TorchApiWrappers()
