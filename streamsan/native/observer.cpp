@@ -821,9 +821,13 @@ bool arm_this_thread() {
 PyObject* g_registries[E_EVENT_SYNC + 1] = {};
 PyObject* g_fire_callbacks = nullptr;  // the interned name
 bool g_forwarding = false;
+/* Set while no Python callback behind the registries wants the events (no tracer active, no one else's callback
+ * registered): forwarding stops at this check, without the GIL. */
+std::atomic<bool> g_quiet{false};
 
 void forward(uint8_t kind, c10::DeviceType type, int n, uint64_t a, uint64_t b) {
   if (!g_forwarding || (type != c10::DeviceType::CUDA && type != c10::DeviceType::HIP)) return;
+  if (g_quiet.load(std::memory_order_relaxed)) return;
   if (!Py_IsInitialized() || STREAMSAN_FINALIZING()) return;
   PyGILState_STATE gil = PyGILState_Ensure();
   PyObject* reg = g_forwarding ? g_registries[kind] : nullptr;
@@ -1171,6 +1175,13 @@ PyObject* py_forward_gpu_trace(PyObject*, PyObject* module) {
   Py_RETURN_NONE;
 }
 
+PyObject* py_quiet_gpu_trace(PyObject*, PyObject* flag) {
+  int quiet = PyObject_IsTrue(flag);
+  if (quiet < 0) return nullptr;
+  g_quiet.store(quiet != 0, std::memory_order_relaxed);
+  Py_RETURN_NONE;
+}
+
 /* Fires one GPU-trace event through whichever interpreter owns PyTorch's slot, as CUDA code does (so the path
  * from the slot to the callbacks can be checked without a GPU). */
 PyObject* py_fire_trace_event(PyObject*, PyObject* args) {
@@ -1232,6 +1243,8 @@ PyMethodDef methods[] = {
     {"owns_gpu_trace", py_owns_gpu_trace, METH_NOARGS, "owns_gpu_trace() -> bool"},
     {"forward_gpu_trace", py_forward_gpu_trace, METH_O,
      "forward_gpu_trace(module or None): also fire that module's Python callbacks for each CUDA trace event"},
+    {"quiet_gpu_trace", py_quiet_gpu_trace, METH_O,
+     "quiet_gpu_trace(bool): while true, forward nothing (no Python callback wants the events)"},
     {"scalar_type_names", py_scalar_type_names, METH_NOARGS, "c10 ScalarType names, by value"},
     {nullptr, nullptr, 0, nullptr}};
 

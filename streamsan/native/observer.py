@@ -111,3 +111,9 @@ def forward_gpu_trace(gpu_trace) -> None:
     ``torch.cuda._gpu_trace``) for each CUDA event, each registry's ``fire_callbacks`` as it is at that event; None
     stops it. The registries are looked up now, once."""
     _module().forward_gpu_trace(gpu_trace)
+
+
+def quiet_gpu_trace(quiet: bool) -> None:
+    """While ``quiet``, forward no CUDA event to the Python callbacks (the caller knows none of them wants it: no
+    tracer is active and no one else registered one); the events are still recorded while started."""
+    _module().quiet_gpu_trace(quiet)

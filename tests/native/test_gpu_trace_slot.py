@@ -112,6 +112,45 @@ def test_every_kind_reaches_the_registries_in_order(native):
                            ["event_synchronization", 13], ["memory_allocation", 8192], ["late", 8192]]
 
 
+
+def test_with_no_tracer_and_no_other_callback_nothing_is_forwarded(native):
+    """Once the tracer is detached (its session ended), the native carrier forwards no event while no one else's
+    callback is registered: the program runs on without the callbacks' cost. A tracer attached again, or a callback
+    of someone else's (CSAN, a profiler) registered, and the events reach the registries again."""
+    got = run_alone("""
+        import json, torch
+        import torch.cuda._gpu_trace as gt
+        from streamsan.native import observer
+        from streamsan.tracers.torch import trace_slot
+        from streamsan.tracers.torch.callbacks import GpuTrace
+        torch.cuda.is_available = lambda: True
+        GpuTrace.install()
+        m, _ = observer.load()
+        reached, others = [], []
+        gt.MemoryAllocationCallbacks.fire_callbacks = lambda *a: reached.append(a[0])  # (looked up per event)
+        steps = []
+        def step(name, ptr):
+            m.fire_trace_event(5, ptr)
+            steps.append([name, list(reached), list(others)])
+        step("fresh", 1)
+        GpuTrace.detach()
+        step("detached", 2)
+        GpuTrace.attach(object())
+        step("attached", 3)
+        GpuTrace.detach()
+        step("detached again", 4)
+        gt.register_callback_for_memory_allocation(lambda p: others.append(p))
+        step("someone else's callback", 5)
+        GpuTrace.detach()
+        step("detached with it there", 6)
+        print(json.dumps({"carrier": trace_slot.describe(), "steps": steps}))
+    """)
+    assert got["carrier"] == "native"
+    assert got["steps"] == [["fresh", [1], []], ["detached", [1], []], ["attached", [1, 3], []],
+                            ["detached again", [1, 3], []], ["someone else's callback", [1, 3], [5]],
+                            ["detached with it there", [1, 3], [5, 6]]]
+
+
 STANDIN_PROGRAM = """
     import json, sys, torch
     from tests.support.standin import StandIn, CURRENT_STREAM, fire, through_slot
@@ -169,3 +208,41 @@ def test_the_tracer_sees_the_same_events_whoever_carries_them(native, core):
     assert {E.OP, E.ALLOC, E.FREE, E.EVENT_RECORD, E.EVENT_WAIT} <= kinds
     assert native_carried == direct
     assert python_carried == direct
+
+
+def test_a_callback_registered_before_or_on_any_registry_keeps_the_events_forwarded(native):
+    """Someone else's callback registered before streamsan's (a stream-creation callback, on a registry where
+    streamsan has none), or later on such a registry: the native carrier keeps forwarding after detach()."""
+    got = run_alone("""
+        import json, torch
+        import torch.cuda._gpu_trace as gt
+        from streamsan.native import observer
+        from streamsan.tracers.torch.callbacks import GpuTrace
+        torch.cuda.is_available = lambda: True
+        first, later = [], []
+        gt.register_callback_for_stream_creation(lambda s: first.append(s))
+        GpuTrace.install()
+        m, _ = observer.load()
+        GpuTrace.detach()
+        m.fire_trace_event(7, 21)
+        print(json.dumps({"first": first}))
+    """)
+    assert got["first"] == [21]
+    got = run_alone("""
+        import json, torch
+        import torch.cuda._gpu_trace as gt
+        from streamsan.native import observer
+        from streamsan.tracers.torch.callbacks import GpuTrace
+        torch.cuda.is_available = lambda: True
+        later = []
+        GpuTrace.install()
+        m, _ = observer.load()
+        GpuTrace.detach()
+        m.fire_trace_event(7, 21)
+        gt.register_callback_for_stream_creation(lambda s: later.append(s))
+        m.fire_trace_event(7, 22)
+        GpuTrace.detach()
+        m.fire_trace_event(7, 23)
+        print(json.dumps({"later": later}))
+    """)
+    assert got["later"] == [22, 23]

@@ -142,7 +142,10 @@ class StandIn:
             buf = EventBuffer([self.consumer or (lambda evs: None)])
             tr = TorchTracer(buf, StreamRegistry(buf), StackTable())
             tr.running = tr.tracing = "inactive" not in name
-            GpuTrace.active = None if "nocb" in name else tr
+            if "nocb" in name:
+                GpuTrace.active = None  # (the callbacks reach no tracer, and are still called)
+            else:
+                GpuTrace.attach(tr)
             if "nostack" in name:
                 tr.stacks.capture = lambda events, skip=1: 0
             m = self._traced(tr)

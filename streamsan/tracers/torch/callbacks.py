@@ -17,17 +17,35 @@ _get_ident = threading.get_ident
 
 
 class GpuTrace:
-    """Routes PyTorch's process-wide GPU trace callbacks to the active tracer (they cannot be unregistered).
+    """Routes PyTorch's process-wide GPU trace callbacks to the attached tracer (they cannot be unregistered; the
+    native carrier stops forwarding to them while no tracer is attached and no one else's callback is registered).
 
     PyTorch calls each registry's ``fire_callbacks``, a Python loop over its callbacks. On the registries it uses,
     streamsan makes its own callback that method while it is the only one there (one Python call per allocation,
     free or event), and a loop that calls streamsan's first and then the others once someone else (CSAN, a
     profiler) registers one. An exception in any callback is logged, never raised into PyTorch."""
 
-    active = None
+    active = None  # the tracer the callbacks feed: set through attach() and detach()
     installed = False
+    others = False  # someone else's callback is in a registry: the events are always forwarded
+    ours: list = []  # the callbacks streamsan registered
     python_callbacks = ()  # (allocation, free, event record, event wait): the Python callbacks (the C ones fall
     # back on them)
+
+    @classmethod
+    def attach(cls, tracer) -> None:
+        """Feed ``tracer`` from now on."""
+        cls.active = tracer
+        trace_slot.quiet(False)
+
+    @classmethod
+    def detach(cls, tracer=None) -> None:
+        """Feed no tracer (if ``tracer`` is given: if it is the one fed). With no one else's callback registered,
+        the native carrier then forwards nothing: a program that traced once runs on without the callbacks' cost."""
+        if tracer is None or cls.active is tracer:
+            cls.active = None
+            if not cls.others and not cls._others_registered():
+                trace_slot.quiet(True)
 
     @classmethod
     def install(cls) -> None:
@@ -91,21 +109,56 @@ class GpuTrace:
                 (gt.StreamSynchronizationCallbacks, on(gt.StreamSynchronizationCallbacks, on_stream_sync)),
                 (gt.EventSynchronizationCallbacks, on(gt.EventSynchronizationCallbacks, on_event_sync))):
             call_directly(registry, callback)
+            cls.ours.append(callback)
+        for registry in (gt.EventCreationCallbacks, gt.StreamCreationCallbacks):  # (none of streamsan's there)
+            _heard_when_added(registry)
         cls.installed = True
+
+    @classmethod
+    def _others_registered(cls) -> bool:
+        """Whether a callback of someone else's is in any of PyTorch's GPU-trace registries."""
+        import torch.cuda._gpu_trace as gt
+
+        ours = {id(cb) for cb in cls.ours}
+        for value in vars(gt).values():
+            if value.__class__.__name__ == "CallbackRegistry" and any(
+                    id(cb) not in ours for cb in getattr(value, "callback_list", ())):
+                return True
+        return False
 
 
 def call_directly(registry, ours) -> None:
     """Register ``ours`` (which logs its own errors) on a registry and make it the registry's ``fire_callbacks``
-    while it is the only callback there; once there are others, ``fire_callbacks`` calls ours, then them."""
+    while it is the only callback there; once there are others, ``fire_callbacks`` calls ours, then them (and the
+    events are forwarded whether or not a tracer is attached)."""
     registry.add_callback(ours)
     add = registry.add_callback
 
     def add_callback(cb):
         add(cb)
         registry.fire_callbacks = _direct_fire(registry, ours)
+        GpuTrace.others = True
+        trace_slot.quiet(False)
 
     registry.add_callback = add_callback
-    registry.fire_callbacks = ours if len(registry.callback_list) == 1 else _direct_fire(registry, ours)
+    if len(registry.callback_list) == 1:
+        registry.fire_callbacks = ours
+    else:
+        registry.fire_callbacks = _direct_fire(registry, ours)
+        GpuTrace.others = True
+        trace_slot.quiet(False)
+
+
+def _heard_when_added(registry) -> None:
+    """A callback added to ``registry`` from now on has the events forwarded again (see :meth:`GpuTrace.detach`)."""
+    add = registry.add_callback
+
+    def add_callback(cb):
+        add(cb)
+        GpuTrace.others = True
+        trace_slot.quiet(False)
+
+    registry.add_callback = add_callback
 
 
 def _direct_fire(registry, ours):

@@ -59,6 +59,15 @@ def _take_slot() -> tuple[bool, str]:
     return True, ""
 
 
+def quiet(flag: bool) -> None:
+    """Whether the native carrier may skip PyTorch's Python callbacks (none of them wants the events: no tracer is
+    active, no one else registered one); PyTorch's own path always calls them."""
+    if CARRIER == "native":
+        from ...native import observer
+
+        observer.quiet_gpu_trace(flag)
+
+
 def describe() -> str | None:
     """The report's ``environment.gpu_trace``: ``native``, ``python (why)``, or None before any tracing."""
     if CARRIER is None:

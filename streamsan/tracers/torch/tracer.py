@@ -99,7 +99,7 @@ class TorchTracer:
         allocations_unreported(self)  # (known now if CUDA is up)
         if self.scope == "full":
             GpuTrace.install()
-        GpuTrace.active = self
+        GpuTrace.attach(self)
         self.running = self.tracing = True
         for install in patches.SURFACES:
             self.undo_patches.append(install(self))
@@ -125,8 +125,7 @@ class TorchTracer:
                 pass
         while self.undo_patches:
             self.undo_patches.pop()()
-        if GpuTrace.active is self:
-            GpuTrace.active = None
+        GpuTrace.detach(self)
         ALLOCATOR.forget(self)
         self.buffer.flush()
 
