@@ -183,7 +183,10 @@ class Mode:
         elif self.name == "callbacks":
             from streamsan.tracers.torch.callbacks import GpuTrace
 
+            from streamsan.tracers.torch import trace_slot
+
             GpuTrace.install()  # PyTorch's GPU trace callbacks on, reaching no tracer
+            trace_slot.quiet(False)  # (forwarded all the same: after a session, the native carrier stops)
         elif self.name == "record":
             self.ctx = Session(trace_path=os.path.join(self.tmp, f"bench-{time.time_ns()}.sstrace"),
                                analyze=False, compress_trace=False).start()  # uncompressed, as under wrap
