@@ -267,9 +267,10 @@ def run_workload(w, modes, runs, big_runs):
              or (m == "hooks" and not hooks_early)]
     after = [m for m in after if m not in skip]
     res = measure_rounds(before, fn, runs, tmp)
+    from streamsan.tracers.torch import trace_slot
     from streamsan.tracers.torch.callbacks import GpuTrace
 
-    if GpuTrace.installed:
+    if GpuTrace.installed and trace_slot.CARRIER == "python":  # (the native carrier is quiet after a session)
         print(f"  {w}: the hooks scope turned PyTorch's GPU trace callbacks on: the plain and floor runs after its "
               "first run paid them too", file=sys.stderr, flush=True)
     res.update(measure_rounds(after, fn, runs, tmp))

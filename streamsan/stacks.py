@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from types import FunctionType
 
 from . import events as E
@@ -30,29 +31,27 @@ OWN, LIBRARY, USER = 0, 1, 2
 
 class _TorchApiWrappers:
     """The code objects of functions outside torch that are installed in torch's namespaces (``torch``,
-    ``torch.Tensor``, ``torch.nn.functional``). A library installs them when it is imported: they are looked up
-    again when modules were imported since the last look; each code object's answer is kept (for every session),
-    a yes checked again each time (the function may have been put back)."""
+    ``torch.Tensor``, ``torch.nn.functional``), and of the functions such a wrapper passes the call on to in place
+    of torch's (a wrapper of a wrapper: its ``__wrapped__``, or the function it keeps under a name containing the
+    API's, ``_old_index_select``). A library installs them when it is imported: they are looked up again when
+    modules were imported since the last look (a function installed without an import is seen from the next one)."""
 
     NAMESPACES = ("torch", "torch.nn.functional", "torch.functional")
 
     def __init__(self):
         self.modules = -1
-        self.codes: dict = {}  # id(code) -> (namespace, name) where it is installed
-        self.decided: dict = {}  # id(code) -> (code, where it was installed or None)
+        self.codes: dict = {}  # id(code) -> the function it is the code of (kept: the id stays its own)
+        self.lock = threading.Lock()
 
     def __contains__(self, code) -> bool:
-        known = self.decided.get(id(code))
-        if known is None:
-            if len(sys.modules) != self.modules:
-                self.modules = len(sys.modules)
-                self.codes = {id(c): where for c, where in self._scan()}
-            known = self.decided[id(code)] = (code, self.codes.get(id(code)))
-        where = known[1]
-        if where is None:
-            return False
-        now = where[0].get(where[1])
-        return now.__class__ is FunctionType and now.__code__ is code
+        if len(sys.modules) != self.modules:
+            with self.lock:
+                modules = len(sys.modules)
+                if modules != self.modules:
+                    self.codes = {id(f.__code__): f for f in self._scan()}
+                    self.modules = modules  # (after the scan: another thread meanwhile waits for it)
+        fn = self.codes.get(id(code))
+        return fn is not None and fn.__code__ is code
 
     def _scan(self):
         spaces = [vars(sys.modules[m]) for m in self.NAMESPACES if m in sys.modules]
@@ -61,10 +60,37 @@ class _TorchApiWrappers:
             spaces.append(vars(tensor))
         for space in spaces:
             for name, value in list(space.items()):
-                if value.__class__ is FunctionType:  # (no attribute lookups: a module's __getattr__ may import)
-                    code = value.__code__
-                    if not is_library_frame(code.co_filename) and not is_own_file(code.co_filename):
-                        yield code, (space, name)
+                depth = 0
+                while value.__class__ is FunctionType and depth < 4:  # (no attribute lookups on other objects:
+                    code = value.__code__  # a module's __getattr__ may import)
+                    if is_library_frame(code.co_filename) or is_own_file(code.co_filename):
+                        break
+                    yield value
+                    value, depth = _passed_on_to(value, name), depth + 1
+
+
+def _passed_on_to(fn, name: str):
+    """The function a wrapper of torch's ``name`` hands its calls to, where it says: ``__wrapped__``, or a global
+    or closure variable named after it (``_old_index_select``, ``orig_index_select``); else None."""
+    inner = fn.__dict__.get("__wrapped__")
+    if inner.__class__ is FunctionType:
+        return inner
+    code = fn.__code__
+    word = f"_{name}_"
+    for var in code.co_names:
+        if var != name and word in f"_{var}_":
+            inner = fn.__globals__.get(var)
+            if inner.__class__ is FunctionType:
+                return inner
+    for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        if word in f"_{var}_":
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # (an empty cell)
+                continue
+            if inner.__class__ is FunctionType:
+                return inner
+    return None
 
 
 TORCH_API_WRAPPERS = _TorchApiWrappers()

@@ -13,6 +13,7 @@ import re
 _LIBRARY_FRAME = re.compile(
     r"([\\/](site|dist)-packages[\\/](torch|cupy|cupyx|cupy_backends|triton|fastrlock|typing_extensions|_pytest|pluggy)[\\/])"
     r"|([\\/]lib[\\/]python3\.\d+[\\/](?!site-packages|dist-packages)[^\\/]+(\.py|[\\/]))"
+    r"|([\\/](site|dist)-packages[\\/]typing_extensions\.py$)"
     r"|(^<frozen )|(^<string>$)"
 )
 

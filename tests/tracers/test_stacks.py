@@ -134,3 +134,39 @@ def test_a_torch_function_replaced_by_another_library_is_plumbing(tmp_path, monk
     assert location(frames, "?").endswith(f"test_stacks.py:{calls_patched_torch.__code__.co_firstlineno + 3}")
     fakegeo.helper(op, t, evs)
     assert evs[-1][2][0][2] == "helper" and "fakegeo" in evs[-1][2][0][0]
+
+
+def test_a_wrapper_of_a_wrapper_is_plumbing_too(tmp_path, monkeypatch):
+    """A second library wraps the first's ``torch.index_select`` (functools.wraps: ``__wrapped__``); the first keeps
+    torch's own under ``_old_index_select``. Both wrappers' frames are left out, in a table made before the second
+    library was imported too."""
+    import sys
+
+    import torch
+
+    site = tmp_path / "site-packages"
+    for lib, text in (("libone", "import torch\n\n_old_index_select = torch.index_select\n\n"
+                                 "def _new_index_select(f, *a):\n    return f(*a)\n\n"
+                                 "torch.index_select = _new_index_select\n"),
+                      ("libtwo", "import functools\nimport torch\n\n_prev = torch.index_select\n\n"
+                                 "@functools.wraps(_prev)\ndef index_select(f, *a):\n    return _prev(f, *a)\n\n"
+                                 "torch.index_select = index_select\n")):
+        (site / lib).mkdir(parents=True)
+        (site / lib / "__init__.py").write_text(text)
+        monkeypatch.delitem(sys.modules, lib, raising=False)
+    monkeypatch.setattr(torch, "index_select", torch.index_select)  # (put back afterwards)
+    monkeypatch.syspath_prepend(str(site))
+    import libone  # noqa: F401
+
+    early = StackTable()
+    early_events = []
+    calls_patched_torch(early, early_events)
+    import libtwo  # noqa: F401
+
+    t, evs = StackTable(), []
+    calls_patched_torch(t, evs)
+    calls_patched_torch(early, early_events)
+    assert len(evs) == 1 and len(early_events) == 2
+    for _, _, frames in evs + early_events:
+        assert frames[0][2] == "calls_patched_torch"
+        assert not [f for f in frames if "libone" in f[0] or "libtwo" in f[0]]

@@ -32,20 +32,31 @@ class GpuTrace:
     python_callbacks = ()  # (allocation, free, event record, event wait): the Python callbacks (the C ones fall
     # back on them)
 
+    lock = threading.Lock()  # (attach, detach and someone else's registration decide the carrier's quiet in turn)
+
     @classmethod
     def attach(cls, tracer) -> None:
         """Feed ``tracer`` from now on."""
-        cls.active = tracer
-        trace_slot.quiet(False)
+        with cls.lock:
+            cls.active = tracer
+            trace_slot.quiet(False)
 
     @classmethod
     def detach(cls, tracer=None) -> None:
         """Feed no tracer (if ``tracer`` is given: if it is the one fed). With no one else's callback registered,
         the native carrier then forwards nothing: a program that traced once runs on without the callbacks' cost."""
-        if tracer is None or cls.active is tracer:
-            cls.active = None
-            if not cls.others and not cls._others_registered():
-                trace_slot.quiet(True)
+        with cls.lock:
+            if tracer is None or cls.active is tracer:
+                cls.active = None
+                if not cls.others and not cls._others_registered():
+                    trace_slot.quiet(True)
+
+    @classmethod
+    def heard(cls) -> None:
+        """Someone else registered a callback: the events are forwarded from now on, tracer or not."""
+        with cls.lock:
+            cls.others = True
+            trace_slot.quiet(False)
 
     @classmethod
     def install(cls) -> None:
@@ -137,16 +148,14 @@ def call_directly(registry, ours) -> None:
     def add_callback(cb):
         add(cb)
         registry.fire_callbacks = _direct_fire(registry, ours)
-        GpuTrace.others = True
-        trace_slot.quiet(False)
+        GpuTrace.heard()
 
     registry.add_callback = add_callback
     if len(registry.callback_list) == 1:
         registry.fire_callbacks = ours
     else:
         registry.fire_callbacks = _direct_fire(registry, ours)
-        GpuTrace.others = True
-        trace_slot.quiet(False)
+        GpuTrace.heard()
 
 
 def _heard_when_added(registry) -> None:
@@ -155,8 +164,7 @@ def _heard_when_added(registry) -> None:
 
     def add_callback(cb):
         add(cb)
-        GpuTrace.others = True
-        trace_slot.quiet(False)
+        GpuTrace.heard()
 
     registry.add_callback = add_callback
 
