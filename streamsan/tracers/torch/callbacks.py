@@ -27,7 +27,6 @@ class GpuTrace:
 
     active = None  # the tracer the callbacks feed: set through attach() and detach()
     installed = False
-    others = False  # someone else's callback is in a registry: the events are always forwarded
     ours: list = []  # the callbacks streamsan registered
     python_callbacks = ()  # (allocation, free, event record, event wait): the Python callbacks (the C ones fall
     # back on them)
@@ -48,14 +47,13 @@ class GpuTrace:
         with cls.lock:
             if tracer is None or cls.active is tracer:
                 cls.active = None
-                if not cls.others and not cls._others_registered():
+                if not cls._others_registered():
                     trace_slot.quiet(True)
 
     @classmethod
     def heard(cls) -> None:
         """Someone else registered a callback: the events are forwarded from now on, tracer or not."""
         with cls.lock:
-            cls.others = True
             trace_slot.quiet(False)
 
     @classmethod
@@ -122,7 +120,7 @@ class GpuTrace:
             call_directly(registry, callback)
             cls.ours.append(callback)
         for registry in (gt.EventCreationCallbacks, gt.StreamCreationCallbacks):  # (none of streamsan's there)
-            _heard_when_added(registry)
+            _hear_additions(registry)
         cls.installed = True
 
     @classmethod
@@ -143,27 +141,19 @@ def call_directly(registry, ours) -> None:
     while it is the only callback there; once there are others, ``fire_callbacks`` calls ours, then them (and the
     events are forwarded whether or not a tracer is attached)."""
     registry.add_callback(ours)
+    _hear_additions(registry, lambda: setattr(registry, "fire_callbacks", _direct_fire(registry, ours)))
+    registry.fire_callbacks = ours if len(registry.callback_list) == 1 else _direct_fire(registry, ours)
+
+
+def _hear_additions(registry, then=None) -> None:
+    """A callback added to ``registry`` from now on (after ``then()``) has the events forwarded again (see
+    :meth:`GpuTrace.detach`)."""
     add = registry.add_callback
 
     def add_callback(cb):
         add(cb)
-        registry.fire_callbacks = _direct_fire(registry, ours)
-        GpuTrace.heard()
-
-    registry.add_callback = add_callback
-    if len(registry.callback_list) == 1:
-        registry.fire_callbacks = ours
-    else:
-        registry.fire_callbacks = _direct_fire(registry, ours)
-        GpuTrace.heard()
-
-
-def _heard_when_added(registry) -> None:
-    """A callback added to ``registry`` from now on has the events forwarded again (see :meth:`GpuTrace.detach`)."""
-    add = registry.add_callback
-
-    def add_callback(cb):
-        add(cb)
+        if then is not None:
+            then()
         GpuTrace.heard()
 
     registry.add_callback = add_callback
