@@ -13,8 +13,9 @@ Modes: ``plain``; ``floor`` (a TorchDispatchMode that only calls the op); ``call
 callbacks switched on, reaching no tracer: what the hooks scope pays from its first hooked region that uses a
 second stream on); ``record`` (streamsan tracing into a trace file, as each process under ``streamsan wrap`` does;
 the analysis runs afterwards in the wrapping process); ``inline`` (``streamsan.watch(helper=False)``: tracing plus
-in-process analysis); ``full`` (``streamsan.watch()``: tracing, the analysis in a helper process); ``full-py``
-(``full`` with the Python tracer alone, ``STREAMSAN_CORE=python``: what the C tracer saves); ``hooks``
+in-process analysis); ``full`` (``streamsan.watch()``: tracing, the analysis in a helper process); ``full-c``
+(``full`` without the dispatch lane, ``STREAMSAN_CORE=c``: PyTorch's Python dispatch into the C tracer, what the
+lane saves); ``full-py`` (``full`` with the Python tracer alone, ``STREAMSAN_CORE=python``); ``hooks``
 (``--scope hooks``: only inside the transformers cache hooks); ``csan`` (torch.cuda._sanitizer). GPU trace
 callbacks, once activated, stay on for the process, so each workload runs in its own process: plain and floor
 interleaved over ``--runs`` passes (with ``hooks`` where no offloading cache turns the callbacks on), then
@@ -192,8 +193,8 @@ class Mode:
                                analyze=False, compress_trace=False).start()  # uncompressed, as under wrap
         elif self.name == "inline":
             self.ctx = streamsan.watch(helper=False).start()
-        elif self.name == "full-py":
-            os.environ["STREAMSAN_CORE"] = "python"
+        elif self.name in ("full-py", "full-c"):
+            os.environ["STREAMSAN_CORE"] = "python" if self.name == "full-py" else "c"
             self.ctx = streamsan.watch().start()
         elif self.name in ("full", "hooks"):
             self.ctx = streamsan.watch(scope="full" if self.name == "full" else "hooks").start()
@@ -241,7 +242,7 @@ def measure_rounds(names, fn, rounds, tmp):
 
 
 WORKLOADS = ("decode", "decode_offload", "micro", "big_decode", "big_prefill")
-MODES = ("plain", "floor", "callbacks", "record", "hooks", "inline", "full", "full-py", "csan")
+MODES = ("plain", "floor", "callbacks", "record", "hooks", "inline", "full", "full-c", "full-py", "csan")
 
 
 def run_workload(w, modes, runs, big_runs):
@@ -263,7 +264,7 @@ def run_workload(w, modes, runs, big_runs):
     # is measured with plain and floor, as a program under it runs.
     hooks_early = w in ("decode", "big_decode")
     before = [m for m in modes if m in ("plain", "floor") or (m == "hooks" and hooks_early)]
-    after = [m for m in modes if m in ("callbacks", "record", "inline", "full", "full-py")
+    after = [m for m in modes if m in ("callbacks", "record", "inline", "full", "full-c", "full-py")
              or (m == "hooks" and not hooks_early)]
     after = [m for m in after if m not in skip]
     res = measure_rounds(before, fn, runs, tmp)

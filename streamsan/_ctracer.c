@@ -15,6 +15,10 @@
  * an op with accesses (copies between device tensors too; a copy with a `device` argument, to or from the host, is
  * the Python path's).
  *
+ * A `Dispatch` made with a `runner` (the native dispatch lane's, `streamsan/native/lane.cpp`) is called by the lane
+ * instead of PyTorch, with the op's arguments converted as PyTorch converts them, and runs the op by calling
+ * `runner()` (which runs it on the dispatcher's own stack) where it would call the op.
+ *
  * A `Callback` object is one of PyTorch's allocation, free, event record and event wait callbacks
  * (`GpuTrace.install`): the common case here, the rest by the Python callback it wraps.
  *
@@ -112,11 +116,18 @@ typedef struct {
     size_t memo_cap, memo_used;
     PyObject *fallback; /* the mode's Python __torch_dispatch__, bound */
     PyObject *self_;    /* the mode (PyTorch checks `__torch_dispatch__.__self__`) */
+    PyObject *runner;   /* what runs the op, called with no arguments (the native dispatch lane's); else NULL */
     vectorcallfunc vectorcall;
 } Dispatch;
 
 static PyObject *fallback(Dispatch *d, PyObject *const *argv, Py_ssize_t nargs) {
     return PyObject_Vectorcall(d->fallback, argv, nargs, NULL);
+}
+
+/* Runs the op: `call(*args, **kwargs)`, or the runner (which has the op's arguments itself). */
+static PyObject *call_op(Dispatch *d, PyObject *call, PyObject *args, PyObject *kwargs) {
+    if (d->runner != NULL) return PyObject_CallNoArgs(d->runner);
+    return PyObject_Call(call, args, kwargs);
 }
 
 static PyObject *call_method1(PyObject *obj, PyObject *name, PyObject *a) {
@@ -437,7 +448,7 @@ static PyObject *run_allocating(Dispatch *d, PyObject *call, PyObject *args, PyO
         return NULL;
     }
     Py_ssize_t mark = PyList_GET_SIZE(evs);
-    PyObject *out = PyObject_Call(call, args, kwargs);
+    PyObject *out = call_op(d, call, args, kwargs);
     if (out == NULL) {
         *ran = -1; /* the op's own error */
         Py_DECREF(buffer);
@@ -642,7 +653,7 @@ static PyObject *run_traced(Dispatch *d, PyObject *plan, PyObject *call, PyObjec
     }
 
     Py_ssize_t mark = 0;
-    out = PyObject_Call(call, args, kwargs);
+    out = call_op(d, call, args, kwargs);
     {
         /* finally: the op is no longer this thread's current op */
         PyObject *et, *ev, *etb;
@@ -887,7 +898,7 @@ static PyObject *internal_error(Dispatch *d, PyObject *func, PyObject *args, PyO
         Py_INCREF(out);
         return out;
     }
-    return PyObject_Call(func, args, kwargs);
+    return call_op(d, func, args, kwargs);
 }
 
 static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
@@ -932,7 +943,7 @@ static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size
     PyObject *call = AT(fast, L_FAST, FAST_CALL);
     PyObject *result = NULL;
     if (kind == g_kind_untouched) {
-        result = PyObject_Call(call, args, kwargs);
+        result = call_op(d, call, args, kwargs);
     } else if (kind == g_kind_allocating) {
         int ran = 0;
         PyObject *out = NULL;
@@ -955,7 +966,7 @@ static PyObject *Dispatch_vectorcall(PyObject *self, PyObject *const *argv, size
         if (dev == -3 || (dev == -1 && PyObject_IsTrue(AT(fast, L_FAST, FAST_FRESH_OUTPUTS)))) {
             result = fallback(d, argv, nargs);
         } else if (dev == -1 && PyList_GET_SIZE(reads) == 0 && PyList_GET_SIZE(writes) == 0) {
-            result = PyObject_Call(call, args, kwargs);
+            result = call_op(d, call, args, kwargs);
         } else if (dev == -1) {
             result = fallback(d, argv, nargs); /* a host access */
         } else if (dev == -2) {
@@ -993,9 +1004,9 @@ static int read_attr(PyObject *obj, PyObject *name, PyObject **slot, int what) {
 }
 
 static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
-    PyObject *tracer, *fb, *mode;
-    static char *kwlist[] = {"tracer", "fallback", "mode", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO", kwlist, &tracer, &fb, &mode)) return -1;
+    PyObject *tracer, *fb, *mode, *runner = Py_None;
+    static char *kwlist[] = {"tracer", "fallback", "mode", "runner", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|O", kwlist, &tracer, &fb, &mode, &runner)) return -1;
     if (!g_configured) {
         PyErr_SetString(PyExc_TypeError, "configure() the core first");
         return -1;
@@ -1006,6 +1017,7 @@ static int Dispatch_init(Dispatch *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->tracer, tracer);
     Py_XSETREF(self->fallback, fb);
     Py_XSETREF(self->self_, mode);
+    Py_XSETREF(self->runner, runner == Py_None ? NULL : Py_NewRef(runner));
     PyObject *users = NULL, *max_key = NULL, *known = NULL;
     if (read_attr(tracer, s_buffer, &self->buffer, 0) < 0 || read_attr(tracer, s_agent_of, &self->agent_of, 1) < 0 ||
         read_attr(tracer, s_stacks, &self->stacks, 0) < 0 || read_attr(self->stacks, s_kinds, &self->kinds, 1) < 0 ||
@@ -1054,6 +1066,7 @@ static const Py_ssize_t dispatch_fields[] = {
     offsetof(Dispatch, buffer), offsetof(Dispatch, agent_of), offsetof(Dispatch, stacks),
     offsetof(Dispatch, kinds), offsetof(Dispatch, ids), offsetof(Dispatch, engine_threads),
     offsetof(Dispatch, plans), offsetof(Dispatch, tracer), offsetof(Dispatch, fallback), offsetof(Dispatch, self_),
+    offsetof(Dispatch, runner),
     offsetof(Dispatch, index_spans), -1};
 
 static PyObject *Dispatch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {

@@ -23,6 +23,8 @@ import sysconfig
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("observer.cpp")
+# the other files of the build, beside the main source: compiled with it (.cpp) or included by it (.h)
+COMPANIONS = ("lane.cpp", "interpreter.h")
 # NDEBUG as torch's own build has it: PyTorch's headers lay some structs out differently without it
 # (RecordFunction's debug-only fields).
 CFLAGS = ("-O2", "-DNDEBUG")
@@ -62,8 +64,14 @@ def load_extension(source: Path = SOURCE, root: Path | None = None, compile=None
         return None, f"the native observer is off: {_one_line(exc)}"
 
 
+def companions(source: Path) -> list[Path]:
+    """The files built with ``source`` that are there beside it."""
+    return [p for p in (Path(source).with_name(n) for n in COMPANIONS) if p.is_file()]
+
+
 def _load(source, root, compile):
-    text = Path(source).read_bytes()
+    text = Path(source).read_bytes() + b"".join(b"\0" + p.name.encode() + b"\0" + p.read_bytes()
+                                                 for p in companions(source))
     ident = identity(text)
     key = build_key(ident)
     directory = (root if root is not None else cache_root()) / key
@@ -125,7 +133,8 @@ def _compile(name: str, source: Path, directory: Path, extra: tuple = ()) -> Pat
     """Compile with torch's extension builder (which imports the module made); the path of its library."""
     from torch.utils import cpp_extension
 
-    sys.modules[name] = cpp_extension.load(name=name, sources=[str(source)], build_directory=str(directory),
+    sources = [str(source)] + [str(p) for p in companions(source) if p.suffix == ".cpp"]
+    sys.modules[name] = cpp_extension.load(name=name, sources=sources, build_directory=str(directory),
                                            extra_cflags=list(CFLAGS + extra), verbose=False, is_python_module=True)
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = directory / (name + suffix)

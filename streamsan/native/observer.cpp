@@ -50,6 +50,8 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/version.h>
 
+#include "interpreter.h"
+
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -58,10 +60,6 @@
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
-
-namespace c10::impl {
-struct PyObjectSlot;  // (named by some torch versions' PyInterpreterVTable)
-}
 
 namespace {
 
@@ -882,57 +880,9 @@ void event(uint8_t kind, c10::DeviceType type, int n, uint64_t a, uint64_t b) {
   forward(kind, type, n, a, b);
 }
 
-/* The trace slot's interpreter. PyInterpreterVTable's methods differ between torch versions; every spelling
- * known is declared (the matching one overrides, the others are unused); the GPU trace is off if this torch has
- * a pure virtual method not among them (see trace_interpreter). Only the trace methods are ever called: no
- * Python object is tagged with this interpreter. */
-struct TraceVTable : public c10::impl::PyInterpreterVTable {
-  using DT = c10::DeviceType;
-  [[noreturn]] static void unused(const char* what) {
-    TORCH_INTERNAL_ASSERT(false, "streamsan's GPU-trace interpreter has no ", what);
-  }
-  std::string name() const { return "<streamsan native observer>"; }
-  void incref(PyObject*) const {}
-  void decref(PyObject*) const {}
-  void decref(PyObject*, bool) const {}
-  bool try_incref(const c10::impl::PyObjectSlot&) const { return false; }
-  size_t refcnt(PyObject*) const { return 0; }
-  c10::intrusive_ptr<c10::TensorImpl> detach(const c10::TensorImpl*) const { unused("detach"); }
-  void dispatch(const c10::OperatorHandle&, torch::jit::Stack*) const { unused("dispatch"); }
-  void reportErrorCallback(PyObject*, DispatchKey) const { unused("reportErrorCallback"); }
-  void python_op_registration_trampoline(const c10::OperatorHandle&, DispatchKey, DispatchKeySet,
-                                         torch::jit::Stack*, bool, bool) const {
-    unused("python_op_registration_trampoline");
-  }
-  void python_op_registration_trampoline(const c10::OperatorHandle&, DispatchKey, DispatchKeySet,
-                                         torch::jit::Stack*, bool) const {
-    unused("python_op_registration_trampoline");
-  }
-  void python_op_registration_trampoline(const c10::OperatorHandle&, DispatchKey, torch::jit::Stack*) const {
-    unused("python_op_registration_trampoline");
-  }
-  void throw_abstract_impl_not_imported_error(std::string, const char*, const char*) const {
-    unused("throw_abstract_impl_not_imported_error");
-  }
-  void python_dispatcher(const c10::OperatorHandle&, DispatchKeySet, torch::jit::Stack*) const {
-    unused("python_dispatcher");
-  }
-  bool is_contiguous(const c10::TensorImpl*, at::MemoryFormat) const { unused("is_contiguous"); }
-  c10::SymBool sym_is_contiguous(const c10::TensorImpl*, at::MemoryFormat) const { unused("sym_is_contiguous"); }
-  bool is_strides_like(const c10::TensorImpl*, at::MemoryFormat) const { unused("is_strides_like"); }
-  bool is_non_overlapping_and_dense(const c10::TensorImpl*) const { unused("is_non_overlapping_and_dense"); }
-  c10::Device device(const c10::TensorImpl*) const { unused("device"); }
-  int64_t dim(const c10::TensorImpl*) const { unused("dim"); }
-  c10::IntArrayRef strides(const c10::TensorImpl*) const { unused("strides"); }
-  c10::IntArrayRef sizes(const c10::TensorImpl*) const { unused("sizes"); }
-  c10::SymIntArrayRef sym_sizes(const c10::TensorImpl*) const { unused("sym_sizes"); }
-  c10::Layout layout(const c10::TensorImpl*) const { unused("layout"); }
-  int64_t numel(const c10::TensorImpl*) const { unused("numel"); }
-  c10::SymInt sym_numel(const c10::TensorImpl*) const { unused("sym_numel"); }
-  c10::SymIntArrayRef sym_strides(const c10::TensorImpl*) const { unused("sym_strides"); }
-  c10::SymInt sym_storage_offset(const c10::TensorImpl*) const { unused("sym_storage_offset"); }
-  void reset_backward_hooks(const c10::TensorImpl*) const { unused("reset_backward_hooks"); }
-
+/* The trace slot's interpreter: its trace methods record (and forward) each event; no Python object is tagged
+ * with it. */
+struct TraceVTable : public streamsan::StubVTable {
   void trace_gpu_event_creation(DT t, uintptr_t e) const { event(E_EVENT_CREATE, t, 1, e, 0); }
   void trace_gpu_event_deletion(DT t, uintptr_t e) const { event(E_EVENT_DELETE, t, 1, e, 0); }
   void trace_gpu_event_record(DT t, uintptr_t e, uintptr_t s) const {
@@ -967,17 +917,6 @@ struct TraceVTable : public c10::impl::PyInterpreterVTable {
   void trace_gpu_stream_synchronization(uintptr_t s) const { trace_gpu_stream_synchronization(DT::CUDA, s); }
   void trace_gpu_event_synchronization(uintptr_t e) const { trace_gpu_event_synchronization(DT::CUDA, e); }
 };
-
-template <class VTable>
-const c10::impl::PyInterpreter* trace_interpreter() {
-  if constexpr (std::is_abstract_v<VTable>) {
-    return nullptr;
-  } else {
-    static const VTable* vtable = new VTable;
-    static const c10::impl::PyInterpreter* interpreter = new c10::impl::PyInterpreter(vtable);
-    return interpreter;
-  }
-}
 
 /* ------------------------------------------------------------------ the Python module */
 PyObject* py_start(PyObject*, PyObject* args) {
@@ -1128,7 +1067,7 @@ PyObject* py_tables(PyObject*, PyObject*) {
 }
 
 PyObject* py_install_gpu_trace(PyObject*, PyObject*) {
-  const c10::impl::PyInterpreter* ours = trace_interpreter<TraceVTable>();
+  const c10::impl::PyInterpreter* ours = streamsan::interpreter_of<TraceVTable>();
   if (ours == nullptr) {
     return Py_BuildValue("(Os)", Py_False,
                          "this torch's PyInterpreterVTable has methods the observer does not know");
@@ -1139,7 +1078,7 @@ PyObject* py_install_gpu_trace(PyObject*, PyObject*) {
 }
 
 PyObject* py_owns_gpu_trace(PyObject*, PyObject*) {
-  const c10::impl::PyInterpreter* ours = trace_interpreter<TraceVTable>();
+  const c10::impl::PyInterpreter* ours = streamsan::interpreter_of<TraceVTable>();
   return PyBool_FromLong(ours != nullptr && c10::impl::GPUTrace::get_trace() == ours);
 }
 
@@ -1256,6 +1195,8 @@ PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, STREAMSAN_STR(TORCH_EXTENSION_NA
 
 }  // namespace
 
+int add_lane(PyObject* module);  // lane.cpp
+
 #define STREAMSAN_INIT2(name) PyInit_##name
 #define STREAMSAN_INIT(name) STREAMSAN_INIT2(name)
 
@@ -1265,7 +1206,7 @@ PyMODINIT_FUNC STREAMSAN_INIT(TORCH_EXTENSION_NAME)(void) {
   if (PyModule_AddStringConstant(m, "LAYOUT", kLayout) < 0 ||
       PyModule_AddStringConstant(m, "TORCH_VERSION",
                                  STREAMSAN_STR(TORCH_VERSION_MAJOR) "." STREAMSAN_STR(TORCH_VERSION_MINOR) "." STREAMSAN_STR(TORCH_VERSION_PATCH)) < 0 ||
-      PyModule_AddIntConstant(m, "FRAMES_WITHOUT_GIL", STREAMSAN_FRAMES_WITHOUT_GIL) < 0) {
+      PyModule_AddIntConstant(m, "FRAMES_WITHOUT_GIL", STREAMSAN_FRAMES_WITHOUT_GIL) < 0 || add_lane(m) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

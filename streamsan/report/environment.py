@@ -61,7 +61,9 @@ def _nvml() -> tuple[str | None, list[str]]:
 
 
 def tracer_core() -> str:
-    """Which torch tracer runs: ``c`` (its common case in ``streamsan/_ctracer.c``), or ``python`` and why."""
+    """Which torch tracer runs: ``native`` (the C core, entered through the native dispatch lane), ``c`` (its
+    common case in ``streamsan/_ctracer.c``, entered through PyTorch's Python dispatch; and why not the lane, where
+    the last tracer started without it), or ``python`` and why."""
     if os.environ.get("STREAMSAN_CORE", "").strip().lower() == "python":
         return "python (STREAMSAN_CORE=python)"
     allocator = getattr(sys.modules.get("streamsan.tracers.torch.allocators"), "ALLOCATOR", None)
@@ -71,7 +73,12 @@ def tracer_core() -> str:
         from .. import _ctracer
     except ImportError:
         return "python (the C tracer was not built: no C compiler at install)"
-    return "c" if getattr(_ctracer, "AVAILABLE", 0) else "python (the C tracer needs Python 3.11 or later)"
+    if not getattr(_ctracer, "AVAILABLE", 0):
+        return "python (the C tracer needs Python 3.11 or later)"
+    lane = sys.modules.get("streamsan.tracers.torch.lane")
+    if lane is None or lane.reason() == lane.NOT_STARTED:
+        return "c"
+    return "native" if not lane.reason() else f"c (the dispatch lane is off: {lane.reason()})"
 
 
 def gpu_trace_carrier() -> str | None:

@@ -29,15 +29,17 @@ class AllocatorBackend:
     then), the same for the whole process; ``name`` is the backend's.
 
     Where it does not, the tracer declares each op's new CUDA outputs itself (ALLOC in ``E.UNREPORTED_POOL``), so
-    only the Python tracer runs: every dispatch mode made so far (``modes``) leaves the C one; and it learns their
-    frees from their storages (:meth:`watch`)."""
+    only the Python tracer runs: every dispatch mode made so far (``modes``) leaves the C one, and each function of
+    ``leave_c_core`` is called (the dispatch lane's detach); and it learns their frees from their storages
+    (:meth:`watch`)."""
 
-    __slots__ = ("unreported", "name", "modes", "watched", "deaths_seen")
+    __slots__ = ("unreported", "name", "modes", "leave_c_core", "watched", "deaths_seen")
 
     def __init__(self):
         self.unreported: bool | None = None  # None: not known yet
         self.name = ""
         self.modes = weakref.WeakSet()
+        self.leave_c_core: list = []
         self.watched: dict[int, tuple] = {}  # base pointer -> (tracer, weak reference to the storage there)
         self.deaths_seen: bool | None = None  # whether a storage's death can be watched (learnt at the first watch)
 
@@ -86,6 +88,8 @@ class AllocatorBackend:
             if self.unreported:
                 for mode in list(self.modes):
                     mode.__dict__.pop("__torch_dispatch__", None)  # (PyTorch looks it up at every op)
+                for leave in self.leave_c_core:
+                    leave()
         return self.unreported
 
 

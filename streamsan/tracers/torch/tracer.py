@@ -18,7 +18,7 @@ from ..notes import Notes, warning
 from ..pinned import PinnedBlocks
 from ..pinned_numpy import attach, detach, strided_range
 from ..staging import PinnedStaging, host_access
-from . import device, patches
+from . import device, lane, patches
 from .allocators import ALLOCATOR, allocations_unreported
 from .callbacks import GpuTrace
 from .cuda_graphs import GraphCaptures
@@ -104,6 +104,7 @@ class TorchTracer:
         for install in patches.SURFACES:
             self.undo_patches.append(install(self))
         attach(self)
+        lane.attach(self, TracingMode)
         if self.scope == "full":
             self.enter_mode()
             threading.setprofile(self._thread_start)
@@ -117,6 +118,7 @@ class TorchTracer:
         detach(self)
         self.running = self.tracing = False
         threading.setprofile(None)
+        lane.detach(self)
         while self.modes:
             mode = self.modes.pop()
             try:
