@@ -77,13 +77,13 @@ OPTIONS = {o.key: o for o in (
 
 # The STREAMSAN_* variables that are no option above, and what reads them.
 OTHER_VARIABLES = {
-    "STREAMSAN_CORE": "python: run the torch tracer without its C part",
+    "STREAMSAN_CORE": "python: run the torch tracer without its C part; c: without the native dispatch lane",
     "STREAMSAN_GPU_TRACE": "python: let PyTorch's Python path carry its GPU-trace events, not the native observer",
     "STREAMSAN_SESSION_DIR": "set by streamsan wrap for the processes it runs",
     "STREAMSAN_RECORD_DIR": "the GPU tests: record each scenario's trace there",
     "STREAMSAN_TEST_ALLOCATOR": "the GPU tests: a CUDA allocator library to load",
 }
-CORE_VALUES = ("python", "c")
+CORE_VALUES = ("python", "c", "native")
 GPU_TRACE_VALUES = ("python", "native")
 
 

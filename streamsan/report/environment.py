@@ -76,7 +76,7 @@ def tracer_core() -> str:
     if not getattr(_ctracer, "AVAILABLE", 0):
         return "python (the C tracer needs Python 3.11 or later)"
     lane = sys.modules.get("streamsan.tracers.torch.lane")
-    if lane is None or lane.reason() == lane.NOT_STARTED:
+    if lane is None or lane.reason() in (lane.NOT_STARTED, lane.CORE_OFF):  # (no CUDA: nothing for either)
         return "c"
     return "native" if not lane.reason() else f"c (the dispatch lane is off: {lane.reason()})"
 

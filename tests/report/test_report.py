@@ -207,7 +207,17 @@ def test_environment_says_which_torch_tracer_runs(monkeypatch):
     except ImportError:
         assert tracer_core() == "python (the C tracer was not built: no C compiler at install)"
     else:
-        assert tracer_core() == ("c" if _ctracer.AVAILABLE else "python (the C tracer needs Python 3.11 or later)")
+        if not _ctracer.AVAILABLE:
+            assert tracer_core() == "python (the C tracer needs Python 3.11 or later)"
+        else:
+            from streamsan.tracers.torch import lane
+
+            monkeypatch.setattr(lane, "_last_reason", lane.NOT_STARTED)
+            assert tracer_core() == "c"
+            monkeypatch.setattr(lane, "_last_reason", "")  # the last tracer ran with the dispatch lane
+            assert tracer_core() == "native"
+            monkeypatch.setattr(lane, "_last_reason", "STREAMSAN_CORE=c")
+            assert tracer_core() == "c (the dispatch lane is off: STREAMSAN_CORE=c)"
     import streamsan
 
     monkeypatch.setitem(sys.modules, "streamsan._ctracer", None)  # as if it was not built

@@ -2,7 +2,8 @@
 
 What it watches:
 
-* every aten op, through a ``TorchDispatchMode`` (:mod:`.dispatch`, its common case in C: :mod:`.ccore`): its
+* every aten op, through a ``TorchDispatchMode`` (:mod:`.dispatch`, its common case in C: :mod:`.ccore`, entered
+  without PyTorch's Python dispatch through the native dispatch lane where it is built: :mod:`.lane`): its
   read and write sets from the schema's alias information (:mod:`.rules`: in-place and ``out=`` arguments are
   writes, fresh outputs are writes, view and metadata-only arguments are not accesses; optional tensors are), as
   byte ranges of device memory or pinned host memory, on the stream current at dispatch; ops on pinned CPU tensors

@@ -32,6 +32,7 @@ MODE_STACK_FUNCTIONS = ("_len_torch_dispatch_stack", "_get_dispatch_stack_at", "
                         "_push_on_torch_dispatch_stack")
 
 NOT_STARTED = "no torch tracer started"
+CORE_OFF = "the C core is off"
 _wrapped = False
 _last_reason = NOT_STARTED
 _attached = None  # the tracer whose ops the lane routes
@@ -53,7 +54,7 @@ def _attach(tracer, mode_type) -> str:
         return f"STREAMSAN_CORE={core}"
     ctracer = ccore.configured()
     if ctracer is None:
-        return "the C core is off"
+        return CORE_OFF
     if ALLOCATOR.unreported:
         return "the allocator reports no allocations"
     module, reason = observer.load()
