@@ -140,7 +140,8 @@ def environment_warnings(environ=None) -> list[str]:
     core = environ.get("STREAMSAN_CORE", "").strip().lower()
     if core and core not in CORE_VALUES:
         out.append(f"streamsan: warning: STREAMSAN_CORE={environ['STREAMSAN_CORE']!r} ignored (expected one of "
-                   f"{', '.join(CORE_VALUES)}): the torch tracer runs with its C part where it was built")
+                   f"{', '.join(CORE_VALUES)}): the torch tracer runs with its C part (through the dispatch lane) where "
+                   f"it was built")
     carrier = environ.get("STREAMSAN_GPU_TRACE", "").strip().lower()
     if carrier and carrier not in GPU_TRACE_VALUES:
         out.append(f"streamsan: warning: STREAMSAN_GPU_TRACE={environ['STREAMSAN_GPU_TRACE']!r} ignored (expected "

@@ -12,8 +12,8 @@ from tests.support.wrap_kit import run
 
 MISSPELLED = ("streamsan: warning: unknown environment variable STREAMSAN_REPROT ignored (did you mean "
               "STREAMSAN_REPORT?)")
-BOGUS_CORE = ("streamsan: warning: STREAMSAN_CORE='bogus' ignored (expected one of python, c): the torch tracer "
-              "runs with its C part where it was built")
+BOGUS_CORE = ("streamsan: warning: STREAMSAN_CORE='bogus' ignored (expected one of python, c, native): the torch "
+              "tracer runs with its C part (through the dispatch lane) where it was built")
 
 
 def test_the_warnings():
